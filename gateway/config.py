@@ -1,0 +1,246 @@
+"""Settings: every knob of the gateway, typed, validated, built once.
+
+Sources, highest first: command-line flags, ``VLLM_GUARD_<FLAG>`` environment variables, an optional
+YAML/TOML config file, the defaults below. Library code receives a ``Settings`` and never reads the
+environment itself.
+"""
+
+from __future__ import annotations
+
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "VLLM_GUARD_"
+
+PromptOverflowPolicy = Literal["reject", "truncate"]
+MaxTokensOverflowPolicy = Literal["clamp", "reject"]
+AdmissionPolicyName = Literal["strict", "adaptive"]
+
+
+class Settings(BaseSettings):
+    """The whole configuration. Field descriptions double as ``--help`` texts."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=True, populate_by_name=True
+    )
+
+    # -- where things are -------------------------------------------------------------------------
+    upstream: str = Field("http://127.0.0.1:8000", description="Base URL of the vLLM server to guard.")
+    host: str = Field("0.0.0.0", description="Address the gateway listens on.")
+    port: int = Field(8080, ge=1, le=65535, description="Port the gateway listens on.")
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer: a local directory or a hub id (cache only when offline). "
+        "Default: the upstream's /v1/models root; if none can be loaded, the upstream's /tokenize.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Model name clients use; default: the upstream's first model (managed: --model)."
+    )
+
+    # -- token policy -----------------------------------------------------------------------------
+    max_model_len: int | None = Field(
+        None, ge=1, description="Context length to enforce; may only lower what the upstream reports."
+    )
+    max_prompt_tokens: int | None = Field(None, ge=1, description="Largest prompt accepted, in tokens.")
+    max_output_tokens: int | None = Field(
+        None, ge=1, description="Largest max_tokens sent upstream; also the default when a client omits it."
+    )
+    min_output_tokens: int = Field(
+        16, ge=1, description="Room left for the answer when truncating a prompt whose max_tokens is unset."
+    )
+    on_prompt_overflow: PromptOverflowPolicy = Field(
+        "reject", description="Prompt too long: reject (400 context_length_exceeded) or truncate."
+    )
+    on_max_tokens_overflow: MaxTokensOverflowPolicy = Field(
+        "clamp", description="max_tokens larger than what is left of the context: clamp or reject."
+    )
+
+    # -- KV admission -----------------------------------------------------------------------------
+    kv_target: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of the engine's KV blocks the gateway may commit."
+    )
+    kv_blocks: int | None = Field(
+        None, ge=1, description="Engine KV capacity in blocks, when the engine does not publish it."
+    )
+    kv_tokens: int | None = Field(
+        None, ge=1, description="Engine KV capacity in tokens (alternative to --kv-blocks)."
+    )
+    block_size: int | None = Field(None, ge=1, description="Engine KV block size in tokens, when unpublished.")
+    admission_policy: AdmissionPolicyName = Field(
+        "adaptive", description="strict: never commit past the ledger; adaptive: use live usage too."
+    )
+    max_queue: int = Field(256, ge=0, description="Requests allowed to wait for capacity; more get 429.")
+    queue_timeout: float = Field(
+        30.0, gt=0, description="Seconds a request may wait in the queue before a 503."
+    )
+    max_concurrency: int | None = Field(
+        None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."
+    )
+    starvation_bound: int = Field(
+        8, ge=0, description="How many smaller requests may pass a blocked larger one at the head of the queue."
+    )
+    scrape_interval: float = Field(
+        0.25, gt=0, description="Seconds between scrapes of the engine's /metrics."
+    )
+    metrics_stale_after: float = Field(
+        2.0, gt=0, description="Engine metrics older than this are stale and only the ledger is trusted."
+    )
+
+    # -- auth -------------------------------------------------------------------------------------
+    api_key: list[str] = Field(
+        default_factory=list,
+        description="Accepted client API key (repeatable). KEY or KEY=PRIORITY. None: no auth.",
+    )
+    admin_api_key: list[str] = Field(
+        default_factory=list, description="Key allowed to call admin endpoints such as POST /guard/restart."
+    )
+    upstream_api_key: str | None = Field(None, description="API key sent to the upstream vLLM.")
+
+    # -- HTTP limits and timeouts -----------------------------------------------------------------
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body accepted; larger gets 413."
+    )
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to connect to the upstream.")
+    request_timeout: float = Field(
+        600.0, gt=0, description="Seconds an upstream request may take in total (streams included)."
+    )
+    read_timeout: float = Field(
+        300.0, gt=0, description="Seconds the upstream may stay silent (first byte or between chunks)."
+    )
+    upstream_connections: int = Field(
+        512, ge=1, description="Most pooled connections to the upstream."
+    )
+
+    # -- managed mode -----------------------------------------------------------------------------
+    managed: bool = Field(False, description="Run and supervise vLLM as a child process.")
+    model: str | None = Field(None, description="Model to serve in managed mode (path or hub id).")
+    vllm_command: str | None = Field(
+        None, description="Command that starts vLLM's API server; default: auto-detected."
+    )
+    vllm_port: int = Field(0, ge=0, le=65535, description="Private port for the managed vLLM (0: pick one).")
+    vllm_args: list[str] = Field(
+        default_factory=list, description="Extra arguments passed to vllm serve (after --)."
+    )
+    startup_timeout: float = Field(900.0, gt=0, description="Seconds the managed vLLM may take to be ready.")
+    hang_timeout: float = Field(
+        60.0, gt=0, description="Seconds without generated tokens, while requests run, that count as a hang."
+    )
+    drain_timeout: float = Field(
+        30.0, ge=0, description="Seconds in-flight requests may finish before a restart cuts them."
+    )
+    max_restarts: int = Field(
+        10, ge=0, description="Restarts allowed within --restart-window before the gateway gives up."
+    )
+    restart_window: float = Field(600.0, gt=0, description="Window for --max-restarts, in seconds.")
+    autofit_attempts: int = Field(4, ge=0, description="Start-up auto-fit retries before giving up.")
+    fragmentation_growth_mib: int = Field(
+        2048, ge=0, description="Growth of vLLM's GPU memory past its post-start baseline that forces a restart."
+    )
+    preemption_storm: int = Field(
+        50, ge=0, description="Preemptions within a minute that count as a storm and force a restart (0: off)."
+    )
+
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("upstream")
+    @classmethod
+    def _strip_slash(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"upstream must be an http(s) URL, got {v!r}")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.managed and not self.model:
+            raise ValueError("--managed needs --model")
+        if (
+            self.max_prompt_tokens is not None
+            and self.max_model_len is not None
+            and self.max_prompt_tokens >= self.max_model_len
+        ):
+            raise ValueError(
+                f"--max-prompt-tokens ({self.max_prompt_tokens}) must be below --max-model-len "
+                f"({self.max_model_len}) to leave room for output"
+            )
+        for key in self.api_key:
+            _split_key(key)
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # build_settings merges file, environment and flags itself, so construction stays pure.
+        return (init_settings,)
+
+    # -- derived ----------------------------------------------------------------------------------
+    def key_priorities(self) -> dict[str, int]:
+        """Client API keys mapped to their default priority (0 when none is given)."""
+        return dict(_split_key(k) for k in self.api_key)
+
+
+def _split_key(spec: str) -> tuple[str, int]:
+    key, sep, prio = spec.rpartition("=")
+    if not sep or not key:
+        return spec, 0
+    try:
+        return key, int(prio)
+    except ValueError:
+        # An '=' inside a key without a number after it is part of the key.
+        return spec, 0
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or TOML config file into field values (keys with '-' or '_' both accepted)."""
+    p = Path(path)
+    text = p.read_text(encoding="utf-8")
+    data: Any = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {p} must hold a mapping, not {type(data).__name__}")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def build_settings(
+    flags: dict[str, Any], file_values: dict[str, Any] | None = None, env: dict[str, str] | None = None
+) -> Settings:
+    """Merge the sources: flags over environment over file over defaults.
+
+    ``env`` is passed in by the caller (the CLI hands ``os.environ``) so that this module stays pure.
+    """
+    merged: dict[str, Any] = dict(file_values or {})
+    merged.update(_env_values(env or {}))
+    merged.update({k: v for k, v in flags.items() if v is not None})
+    return Settings.model_validate(merged)
+
+
+def _env_values(env: dict[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    list_fields = {n for n, f in Settings.model_fields.items() if f.annotation == list[str]}
+    for name in Settings.model_fields:
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is None:
+            continue
+        if name in list_fields:
+            # Comma-separated, or a JSON list; vllm_args is split like a shell line.
+            if name == "vllm_args":
+                out[name] = shlex.split(raw)
+            elif raw.lstrip().startswith("["):
+                out[name] = yaml.safe_load(raw)
+            else:
+                out[name] = [p.strip() for p in raw.split(",") if p.strip()]
+        else:
+            out[name] = raw
+    return out

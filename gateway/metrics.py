@@ -1,0 +1,207 @@
+"""Every Prometheus collector of the gateway, on its own registry, with small ``record_*`` helpers.
+
+Names follow DESIGN.md: ``vllm_guard_*``, units in names, counters end in ``_total``.
+One ``Metrics`` object per app (no module-level registry), so tests and several apps never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Token counts span 1 .. 128K+: powers of two give equal resolution per doubling.
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 19))  # 16 .. 262144
+# Tokenization runs from ~50 us (short chat) to ~50 ms (32K tokens).
+TOKENIZE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# Upstream latency: from sub-ms (cached, tiny) through minutes (long generations).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Time to first token: prefill of long prompts under load takes seconds, queueing can add more.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# Queue wait: zero for most, then up to --queue-timeout (30 s default).
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
+
+UPSTREAM_STATES = ("starting", "ready", "draining", "restarting", "down")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        # -- requests -----------------------------------------------------------------------------
+        self.requests = Counter(
+            "vllm_guard_requests_total", "Requests answered, by route and outcome.", ["route", "outcome"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "vllm_guard_rejections_total", "Requests refused by the gateway, by reason.", ["reason"], registry=r
+        )
+        self.truncations = Counter(
+            "vllm_guard_truncations_total", "Prompts truncated to fit, by route.", ["route"], registry=r
+        )
+        self.truncated_tokens = Counter(
+            "vllm_guard_truncated_tokens_total", "Prompt tokens removed by truncation.", registry=r
+        )
+        self.clamps = Counter(
+            "vllm_guard_max_tokens_clamped_total",
+            "Requests whose max_tokens was lowered (or set, when omitted) to fit.",
+            ["route"],
+            registry=r,
+        )
+        self.prompt_tokens = Histogram(
+            "vllm_guard_prompt_tokens", "Prompt tokens per request, as counted by the gateway.",
+            buckets=TOKEN_BUCKETS, registry=r,
+        )
+        self.max_tokens = Histogram(
+            "vllm_guard_max_tokens", "max_tokens sent upstream per request (after clamping).",
+            buckets=TOKEN_BUCKETS, registry=r,
+        )
+        self.output_tokens = Histogram(
+            "vllm_guard_output_tokens", "Completion tokens per request, from the upstream's usage.",
+            buckets=TOKEN_BUCKETS, registry=r,
+        )
+        self.tokenize_seconds = Histogram(
+            "vllm_guard_tokenization_seconds", "Time to count a request's prompt tokens.",
+            buckets=TOKENIZE_BUCKETS, registry=r,
+        )
+        self.upstream_seconds = Histogram(
+            "vllm_guard_upstream_latency_seconds", "Upstream time from request sent to last byte, by route.",
+            ["route"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.ttft_seconds = Histogram(
+            "vllm_guard_time_to_first_token_seconds", "Upstream time from request sent to first streamed chunk.",
+            ["route"], buckets=TTFT_BUCKETS, registry=r,
+        )
+        self.in_flight = Gauge(
+            "vllm_guard_in_flight_requests", "Guarded requests being served upstream now.", registry=r
+        )
+        self.tokenizer_fallback = Gauge(
+            "vllm_guard_tokenizer_fallback", "1 when counting uses the upstream's /tokenize (no local tokenizer).",
+            registry=r,
+        )
+        # -- KV admission -------------------------------------------------------------------------
+        self.kv_capacity = Gauge(
+            "vllm_guard_kv_capacity_blocks", "Engine KV capacity in blocks.", registry=r
+        )
+        self.kv_budget = Gauge(
+            "vllm_guard_kv_budget_blocks", "Blocks the gateway may commit (kv_target x capacity).", registry=r
+        )
+        self.kv_committed = Gauge(
+            "vllm_guard_kv_committed_blocks", "Blocks reserved by admitted requests.", registry=r
+        )
+        self.kv_live_used = Gauge(
+            "vllm_guard_kv_live_used_blocks", "Blocks the engine reports in use (live).", registry=r
+        )
+        self.kv_admit_limit = Gauge(
+            "vllm_guard_kv_admit_limit_blocks", "Current admission limit of the policy, in blocks.", registry=r
+        )
+        self.queue_depth = Gauge(
+            "vllm_guard_queue_depth", "Requests waiting for capacity, by priority.", ["priority"], registry=r
+        )
+        self.queue_wait = Histogram(
+            "vllm_guard_queue_wait_seconds", "Time requests waited for admission.",
+            buckets=QUEUE_BUCKETS, registry=r,
+        )
+        self.admissions = Counter(
+            "vllm_guard_admissions_total", "Requests admitted, by how (immediate or queued).", ["how"], registry=r
+        )
+        self.engine_preemptions = Counter(
+            "vllm_guard_engine_preemptions_total", "Preemptions the engine reported while the gateway watched.",
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            "vllm_guard_engine_scrape_errors_total", "Failed scrapes of the engine's /metrics.", registry=r
+        )
+        self.engine_metrics_age = Gauge(
+            "vllm_guard_engine_metrics_age_seconds", "Age of the newest engine metrics snapshot.", registry=r
+        )
+        self.engine_metrics_stale = Gauge(
+            "vllm_guard_engine_metrics_stale", "1 when engine metrics are stale and only the ledger is used.",
+            registry=r,
+        )
+        # -- upstream lifecycle -------------------------------------------------------------------
+        self.upstream_state = Gauge(
+            "vllm_guard_upstream_state", "1 for the upstream's current state.", ["state"], registry=r
+        )
+        self.upstream_up = Gauge("vllm_guard_upstream_up", "1 when the upstream is ready.", registry=r)
+        self.restarts = Counter(
+            "vllm_guard_restarts_total", "Restarts of the managed engine, by reason.", ["reason"], registry=r
+        )
+        self.startup_seconds = Gauge(
+            "vllm_guard_engine_startup_seconds", "Time the last (re)start of the managed engine took.",
+            registry=r,
+        )
+        self.set_upstream_state("starting")
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def record_request(self, route: str, outcome: str) -> None:
+        self.requests.labels(route, outcome).inc()
+
+    def record_rejection(self, reason: str) -> None:
+        self.rejections.labels(reason).inc()
+
+    def record_counted(self, prompt_tokens: int, seconds: float) -> None:
+        self.prompt_tokens.observe(prompt_tokens)
+        self.tokenize_seconds.observe(seconds)
+
+    def record_truncation(self, route: str, removed_tokens: int) -> None:
+        self.truncations.labels(route).inc()
+        self.truncated_tokens.inc(removed_tokens)
+
+    def record_max_tokens(self, route: str, max_tokens: int, clamped: bool) -> None:
+        self.max_tokens.observe(max_tokens)
+        if clamped:
+            self.clamps.labels(route).inc()
+
+    def record_output_tokens(self, tokens: int) -> None:
+        self.output_tokens.observe(tokens)
+
+    def record_upstream_latency(self, route: str, seconds: float) -> None:
+        self.upstream_seconds.labels(route).observe(seconds)
+
+    def record_ttft(self, route: str, seconds: float) -> None:
+        self.ttft_seconds.labels(route).observe(seconds)
+
+    def record_tokenizer_fallback(self, active: bool) -> None:
+        self.tokenizer_fallback.set(1 if active else 0)
+
+    def record_kv(
+        self, *, capacity: int, budget: int, committed: int, live_used: int | None, admit_limit: int
+    ) -> None:
+        self.kv_capacity.set(capacity)
+        self.kv_budget.set(budget)
+        self.kv_committed.set(committed)
+        if live_used is not None:
+            self.kv_live_used.set(live_used)
+        self.kv_admit_limit.set(admit_limit)
+
+    def record_queue_depth(self, depth_by_priority: dict[int, int]) -> None:
+        self.queue_depth.clear()
+        for prio, depth in depth_by_priority.items():
+            self.queue_depth.labels(str(prio)).set(depth)
+
+    def record_admission(self, how: str, waited_seconds: float) -> None:
+        self.admissions.labels(how).inc()
+        self.queue_wait.observe(waited_seconds)
+
+    def record_preemptions(self, count: float) -> None:
+        if count > 0:
+            self.engine_preemptions.inc(count)
+
+    def record_scrape(self, ok: bool, age_seconds: float | None, stale: bool) -> None:
+        if not ok:
+            self.scrape_errors.inc()
+        if age_seconds is not None:
+            self.engine_metrics_age.set(age_seconds)
+        self.engine_metrics_stale.set(1 if stale else 0)
+
+    def set_upstream_state(self, state: str) -> None:
+        for s in UPSTREAM_STATES:
+            self.upstream_state.labels(s).set(1 if s == state else 0)
+        self.upstream_up.set(1 if state == "ready" else 0)
+
+    def record_restart(self, reason: str, startup_seconds: float | None = None) -> None:
+        self.restarts.labels(reason).inc()
+        if startup_seconds is not None:
+            self.startup_seconds.set(startup_seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
