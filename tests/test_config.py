@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.config import Settings, build_settings, load_config_file
+
+
+def test_defaults_are_valid_and_match_the_design() -> None:
+    s = Settings()
+    assert (s.on_prompt_overflow, s.on_max_tokens_overflow, s.admission_policy) == ("reject", "clamp", "adaptive")
+    assert s.upstream == "http://127.0.0.1:8000" and s.port == 8080
+
+
+def test_flags_beat_environment_which_beats_the_file() -> None:
+    s = build_settings(
+        {"port": 9001},
+        {"port": 9002, "kv_target": 0.5, "max_queue": 3},
+        {"VLLM_GUARD_PORT": "9003", "VLLM_GUARD_KV_TARGET": "0.7"},
+    )
+    assert (s.port, s.kv_target, s.max_queue) == (9001, 0.7, 3)
+
+
+@pytest.mark.parametrize(
+    ("env", "field", "expected"),
+    [
+        ({"VLLM_GUARD_API_KEY": "a, b=5"}, "api_key", ["a", "b=5"]),
+        ({"VLLM_GUARD_API_KEY": '["x", "y"]'}, "api_key", ["x", "y"]),
+        ({"VLLM_GUARD_VLLM_ARGS": "--dtype float32 --enforce-eager"}, "vllm_args", ["--dtype", "float32", "--enforce-eager"]),
+        ({"VLLM_GUARD_MANAGED": "true", "VLLM_GUARD_MODEL": "m"}, "managed", True),
+        ({"VLLM_GUARD_ON_PROMPT_OVERFLOW": "truncate"}, "on_prompt_overflow", "truncate"),
+    ],
+)
+def test_every_field_is_settable_from_the_environment(env: dict[str, str], field: str, expected: object) -> None:
+    assert getattr(build_settings({}, None, env), field) == expected
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"kv_target": 0},
+        {"kv_target": 1.5},
+        {"port": 0},
+        {"on_prompt_overflow": "drop"},
+        {"upstream": "localhost:8000"},
+        {"managed": True},
+        {"max_prompt_tokens": 4096, "max_model_len": 2048},
+        {"no_such_flag": 1},
+    ],
+)
+def test_absurd_values_are_refused(values: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        build_settings(values)
+
+
+@pytest.mark.parametrize(("keys", "expected"), [(["a"], {"a": 0}), (["a=3", "b"], {"a": 3, "b": 0}), (["x=y"], {"x=y": 0})])
+def test_api_keys_may_carry_a_default_priority(keys: list[str], expected: dict[str, int]) -> None:
+    assert build_settings({"api_key": keys}).key_priorities() == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("guard.yaml", "max-queue: 7\nkv_target: 0.5\napi-key: [k1]\n"),
+        ("guard.toml", 'max-queue = 7\nkv_target = 0.5\napi-key = ["k1"]\n'),
+    ],
+)
+def test_config_files_in_yaml_or_toml(tmp_path: Path, name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    s = build_settings({}, load_config_file(path))
+    assert (s.max_queue, s.kv_target, s.api_key) == (7, 0.5, ["k1"])
+
+
+def test_a_config_file_must_hold_a_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match="mapping"):
+        load_config_file(path)
