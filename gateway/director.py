@@ -169,9 +169,13 @@ async def guarded(parts: Parts, request: Request, route: str) -> Response:
 async def count(parts: Parts, req: GuardedRequest) -> list[int]:
     counter = await parts.models.counter()
     t0 = time.perf_counter()
-    counts = [await counter.count_chat(req.body)] if req.route == "chat" else await counter.count_prompts(
-        req.prompts
-    )
+    if req.route == "chat":
+        counts = [await counter.count_chat(req.body)]
+    else:
+        counts = await counter.count_prompts(
+            req.prompts,  # type: ignore[arg-type]  # one list, mixed shapes
+            add_special_tokens=req.body.get("add_special_tokens", True) is not False,
+        )
     parts.metrics.record_counted(sum(counts), time.perf_counter() - t0)
     return counts
 
@@ -198,7 +202,9 @@ async def apply_prompt_policy(
                 prompts.append(prompt)
                 new_counts.append(c)
                 continue
-            t = await counter.truncate_prompt(prompt, d.budget)
+            t = await counter.truncate_prompt(
+                prompt, d.budget, add_special_tokens=req.body.get("add_special_tokens", True) is not False
+            )
             prompts.append(t.prompt)
             new_counts.append(t.prompt_tokens)
             out.truncated_tokens += t.removed_tokens

@@ -113,7 +113,8 @@ class Models:
                 tokenizer = await loop.run_in_executor(self._executor, load_tokenizer, source)
                 log.info("counting tokens with the tokenizer of %s", source)
                 self._metrics.record_tokenizer_fallback(False)
-                return LocalCounter(tokenizer, self._executor)
+                # Media parts cannot be counted locally; the engine's /tokenize counts those requests.
+                return LocalCounter(tokenizer, self._executor, fallback=self._remote())
             except TokenizerUnavailable as exc:
                 reason = str(exc)
         else:
@@ -124,8 +125,13 @@ class Models:
             reason,
         )
         self._metrics.record_tokenizer_fallback(True)
-        info = self._info or await self.refresh()
-        return RemoteCounter(self._upstream.tokenize, self._settings.served_model_name or (info.ids or ("",))[0])
+        if self._info is None:
+            await self.refresh()
+        return self._remote()
+
+    def _remote(self) -> RemoteCounter:
+        ids = self._info.ids if self._info is not None else ()
+        return RemoteCounter(self._upstream.tokenize, self._settings.served_model_name or (ids[0] if ids else ""))
 
     def rewrite_listing(self, payload: bytes, effective_max_model_len: int | None) -> bytes:
         """/v1/models as the upstream says, with max_model_len lowered to the gateway's limit."""

@@ -193,7 +193,7 @@ def _positive_int(body: dict[str, Any], name: str, upper: int | None = None) -> 
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    return bool(isinstance(v, int) and not isinstance(v, bool))
 
 
 def _json_type(v: Any) -> str:

@@ -1,0 +1,241 @@
+"""Gateway overhead against the vLLM simulator with zero delay, gateway vs direct, in one run.
+
+    .venv/bin/python bench/overhead.py [--seconds 8] [--markdown docs/overhead.md]
+
+Measures, each as direct and through the gateway:
+- latency at concurrency 1 for a short chat (the gateway's counting and policy included): added p50 / p99;
+- throughput at concurrency 64 (non-streaming) and its p99;
+- streams of 20 chunks per second at concurrency 16 (per-chunk relay overhead);
+- counting cost of 1K / 8K / 32K-token chats: naive apply_chat_template vs the gateway's counter, cold and
+  with the conversation's earlier turns already counted.
+The simulator and the load generator (wrk when installed, else a Python aiohttp client) share CPU 0;
+the gateway runs alone on CPU 1, as a user would run it beside an engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+CHAT = {
+    "model": "tiny",
+    "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "What is the capital of France? Answer in one word."},
+    ],
+    "max_tokens": 1,
+}
+STREAM = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "Count to twenty."}],
+    "max_tokens": 20,
+    "ignore_eos": True,
+    "stream": True,
+}
+
+SIM_CODE = """
+import sys, uvicorn
+sys.path.insert(0, {root!r})
+from tests.vllm_sim import SimConfig, create_sim_app
+app = create_sim_app(SimConfig(model="tiny", max_model_len=32768, num_blocks=1_000_000, block_size=16,
+                               max_num_seqs=100_000))
+uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning", access_log=False, loop="uvloop",
+            http="httptools")
+"""
+
+WRK_LUA = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = os.getenv("BENCH_BODY")
+done = function(summary, latency, requests)
+  io.write(string.format('{"requests": %d, "seconds": %f, "p50_ms": %f, "p99_ms": %f, "errors": %d}\\n',
+    summary.requests, summary.duration / 1e6, latency:percentile(50) / 1000, latency:percentile(99) / 1000,
+    summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write
+      + summary.errors.timeout))
+end
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pinned(cpu: int) -> list[str]:
+    return ["taskset", "-c", str(cpu)] if shutil.which("taskset") and (os.cpu_count() or 1) > 1 else []
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up")
+
+
+@contextmanager
+def process(cmd: list[str], health: str) -> Iterator[None]:
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_http(health)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@dataclass
+class Load:
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+
+def load(url: str, body: dict[str, Any], concurrency: int, seconds: float) -> Load:
+    if shutil.which("wrk"):
+        return _wrk(url, body, concurrency, seconds)
+    return asyncio.run(_py_load(url, body, concurrency, seconds))
+
+
+def _wrk(url: str, body: dict[str, Any], concurrency: int, seconds: float) -> Load:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(WRK_LUA)
+    try:
+        env = {**os.environ, "BENCH_BODY": json.dumps(body)}
+        threads = 1
+        out = subprocess.run(
+            [*pinned(0), "wrk", "-t", str(threads), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s", "-s", f.name, url],
+            capture_output=True, text=True, env=env, check=True,
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    line = next(ln for ln in out.splitlines() if ln.startswith("{"))
+    return Load(**json.loads(line))
+
+
+async def _py_load(url: str, body: dict[str, Any], concurrency: int, seconds: float) -> Load:
+    import aiohttp
+
+    latencies: list[float] = []
+    errors = 0
+    payload = json.dumps(body).encode()
+    deadline = time.perf_counter() + seconds
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal errors
+        while time.perf_counter() < deadline:
+            t0 = time.perf_counter()
+            async with session.post(url, data=payload, headers={"content-type": "application/json"}) as r:
+                await r.read()
+                if r.status != 200:
+                    errors += 1
+            latencies.append(time.perf_counter() - t0)
+
+    start = time.perf_counter()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    elapsed = time.perf_counter() - start
+    latencies.sort()
+    return Load(
+        len(latencies), elapsed, latencies[len(latencies) // 2] * 1000,
+        latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000, errors,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=8.0, help="duration of each load phase")
+    parser.add_argument("--markdown", type=Path, help="also write the results as markdown here")
+    args = parser.parse_args()
+
+    from gateway.tinymodel import build_tokenizer
+    from gateway.tokens import bench_counting, load_tokenizer
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    tok_dir = build_tokenizer(tmp / "tokenizer")
+    sim_port, gw_port = free_port(), free_port()
+    sim_url, gw_url = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{gw_port}"
+    py = sys.executable
+    gateway_cmd = [
+        *pinned(1), py, "-m", "gateway.cli", "serve", "--upstream", sim_url, "--port", str(gw_port),
+        "--host", "127.0.0.1", "--tokenizer", str(tok_dir), "--log-level", "warning", "--max-queue", "10000",
+    ]
+    loader = "wrk" if shutil.which("wrk") else "python aiohttp client (install wrk for steadier figures)"
+    rows: list[tuple[str, str, str, str]] = []
+    with process([*pinned(0), py, "-c", SIM_CODE.format(root=str(ROOT), port=sim_port)], sim_url + "/health"), \
+            process(gateway_cmd, gw_url + "/health"):
+        for path, body in (("/v1/chat/completions", CHAT), ("/v1/chat/completions", STREAM)):
+            load(sim_url + path, body, 4, 1.0)  # warm-up: connections, caches, JIT-free but lazy imports
+            load(gw_url + path, body, 4, 1.0)
+        d1, g1 = (load(u + "/v1/chat/completions", CHAT, 1, args.seconds) for u in (sim_url, gw_url))
+        rows.append(("latency c=1 p50 (ms)", f"{d1.p50_ms:.2f}", f"{g1.p50_ms:.2f}",
+                     f"+{g1.p50_ms - d1.p50_ms:.2f} ms (target <= 0.6)"))
+        rows.append(("latency c=1 p99 (ms)", f"{d1.p99_ms:.2f}", f"{g1.p99_ms:.2f}",
+                     f"+{g1.p99_ms - d1.p99_ms:.2f} ms (target <= 1.5)"))
+        d64, g64 = (load(u + "/v1/chat/completions", CHAT, 64, args.seconds) for u in (sim_url, gw_url))
+        rows.append(("req/s c=64", f"{d64.rps:.0f}", f"{g64.rps:.0f}",
+                     f"{g64.rps / d64.rps:.2f}x direct (target >= 2,500 req/s)"))
+        rows.append(("p99 c=64 (ms)", f"{d64.p99_ms:.1f}", f"{g64.p99_ms:.1f}", "target <= 60 ms"))
+        ds, gs = (load(u + "/v1/chat/completions", STREAM, 16, args.seconds) for u in (sim_url, gw_url))
+        rows.append(("streams/s (20 chunks) c=16", f"{ds.rps:.0f}", f"{gs.rps:.0f}",
+                     f"{gs.rps / ds.rps:.2f}x direct (target >= 2,000)"))
+        per_chunk = (1000 / gs.rps - 1000 / ds.rps) * 16 / 22 if gs.rps and ds.rps else 0.0
+        rows.append(("added time per chunk (ms, c=16)", "", "", f"{per_chunk:.3f}"))
+        errors = sum(x.errors for x in (d1, g1, d64, g64, ds, gs))
+        rows.append(("non-200 answers", "", "", str(errors)))
+
+    counting = bench_counting(load_tokenizer(str(tok_dir)))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    lines = [f"load generator: {loader}; gateway pinned to CPU 1, simulator + load generator to CPU 0", "",
+             "| measure | direct | gateway | result |", "| --- | --- | --- | --- |"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
+    lines += ["", "| chat tokens | naive apply_chat_template (ms) | gateway cold (ms) | earlier turns counted (ms) |"
+              " repeated (ms) |", "| --- | --- | --- | --- | --- |"]
+    for size, f in counting.items():
+        lines.append(f"| {int(f['tokens'])} ({size} target) | {f['naive_ms']:.1f} | {f['cold_ms']:.1f} | "
+                     f"{f['prefix_ms']:.1f} | {f['warm_ms']:.2f} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(
+            "# Gateway overhead\n\nCommand: `.venv/bin/python bench/overhead.py"
+            f" --seconds {args.seconds:g}`\n\n{text}\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""Wire formats of the vLLM simulator: request fields, response bodies, SSE chunks, validation wording.
+
+Shapes are those of vLLM 0.32's pydantic models as its server serialises them: non-streaming bodies with
+``model_dump()`` (every field, nulls included), stream chunks with ``model_dump_json(exclude_unset=True)``,
+the final usage chunk with ``exclude_none=True``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field
+
+try:
+    from .vllm_sim_engine import Sequence
+except ImportError:  # imported as a top-level module (tests/ on sys.path)
+    from vllm_sim_engine import Sequence  # type: ignore[no-redef]
+
+_WORDS = ("the ", "quick ", "brown ", "fox ", "jumps ", "over ", "a ", "lazy ", "dog ", "while ", "tokens ",
+          "stream ", "out ", "of ", "the ", "simulated ", "engine ", "one ", "step ", "at ", "a ", "time ")
+_INTERNAL_LOC = frozenset({"function-wrap", "function-after", "function-before", "function-plain", "union",
+                           "tagged-union", "default", "nullable", "chain", "lax-or-strict", "json-or-python",
+                           "str", "int", "float", "bool", "list", "dict", "none"})
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class ChatBody(BaseModel):
+    """The fields of vLLM's ChatCompletionRequest the simulator reads, with vLLM's types and defaults."""
+
+    model_config = ConfigDict(extra="allow")
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+
+
+_TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class CompletionBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: _TokenIds | list[_TokenIds] | str | list[str] | None = None
+    max_tokens: int | None = 16
+    n: int = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    add_special_tokens: bool = True
+
+
+@dataclass
+class Plan:
+    """A validated generation request: what to submit and how to answer."""
+
+    chat: bool
+    request_id: str
+    prompts: list[int]
+    max_tokens: list[int]
+    n: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    ignore_eos: bool
+    role: str = "assistant"
+
+
+def token_text(start: int, end: int) -> str:
+    return "".join(_WORDS[i % len(_WORDS)] for i in range(start, end))
+
+
+def full_body(plan: Plan, seqs: list[Sequence], model: str) -> dict[str, Any]:
+    """The non-streaming response, with every field vLLM's ``model_dump()`` writes."""
+    created = int(time.time())
+    completion = sum(s.generated for s in seqs)
+    prompt = plan.prompts[0] if plan.chat else sum(plan.prompts)
+    usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
+             "prompt_tokens_details": None, "completion_tokens_details": None}
+    if plan.chat:
+        choices: list[dict[str, Any]] = [
+            {"index": s.index, "message": {"role": plan.role, "content": token_text(0, s.generated),
+                                           "refusal": None, "annotations": None, "audio": None,
+                                           "function_call": None, "reasoning": None},
+             "logprobs": None, "finish_reason": s.finish_reason, "stop_reason": None, "token_ids": None,
+             "routed_experts": None} for s in seqs]
+        return {"id": plan.request_id, "object": "chat.completion", "created": created,
+                "model": model, "choices": choices, "service_tier": None,
+                "system_fingerprint": None, "usage": usage, "prompt_logprobs": None, "prompt_token_ids": None,
+                "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+    choices = [{"index": s.index, "text": token_text(0, s.generated), "logprobs": None,
+                "finish_reason": s.finish_reason, "stop_reason": None, "token_ids": None,
+                "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None} for s in seqs]
+    return {"id": plan.request_id, "object": "text_completion", "created": created, "model": model,
+            "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": usage,
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+
+
+class SseWriter:
+    """vLLM's SSE chunks, byte for byte the shapes of ``model_dump_json(exclude_unset=True)``."""
+
+    def __init__(self, plan: Plan, model: str, created: int, choices: int) -> None:
+        self.plan = plan
+        kind = "chat.completion.chunk" if plan.chat else "text_completion"
+        self.head = (b'data: {"id":' + orjson.dumps(plan.request_id) + b',"object":"' + kind.encode()
+                     + b'","created":' + str(created).encode() + b',"model":' + orjson.dumps(model))
+        self.done = [0] * choices
+        self.started = False
+        self.sent = 0
+
+    def _prompt_tokens(self, index: int) -> int:
+        return self.plan.prompts[0 if self.plan.chat else index // self.plan.n]
+
+    def _chunk(self, choice: dict[str, Any], usage: dict[str, int] | None = None, extra: bytes = b"") -> bytes:
+        usage_field = b',"usage":' + orjson.dumps(usage) if usage is not None else b""
+        return self.head + b',"choices":[' + orjson.dumps(choice) + b"]" + usage_field + extra + b"}\n\n"
+
+    def token_chunks(self, index: int, generated: int, finish: str | None) -> list[bytes]:
+        chunks: list[bytes] = []
+        plan = self.plan
+        if plan.chat and not self.started:
+            # vLLM sends the role delta of every choice with the first engine output.
+            self.started = True
+            for i in range(len(self.done)):
+                usage = self._usage(i, 0) if plan.continuous_usage else None
+                chunks.append(self._chunk({"index": i, "delta": {"role": plan.role, "content": ""},
+                                           "logprobs": None, "finish_reason": None}, usage,
+                                          b',"prompt_token_ids":null,"prompt_text":null'))
+        for k in range(self.done[index], generated):
+            last = k == generated - 1 and finish is not None
+            text = _WORDS[k % len(_WORDS)]
+            choice: dict[str, Any]
+            if plan.chat:
+                choice = {"index": index, "delta": {"content": text}, "logprobs": None,
+                          "finish_reason": finish if last else None}
+                if last:
+                    choice["stop_reason"] = None
+                choice["token_ids"] = None
+            else:
+                choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish if last else None,
+                          "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
+            chunks.append(self._chunk(choice, self._usage(index, k + 1) if plan.continuous_usage else None))
+        self.done[index] = max(self.done[index], generated)
+        return chunks
+
+    def _usage(self, index: int, completion: int) -> dict[str, int]:
+        prompt = self._prompt_tokens(index)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+    def usage_chunk(self) -> bytes:
+        prompt = self.plan.prompts[0] if self.plan.chat else sum(self.plan.prompts)
+        completion = sum(self.done)
+        usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+        return self.head + b',"choices":[],"usage":' + orjson.dumps(usage) + b"}\n\n"
+
+
+def clean_loc(loc: Any) -> str:
+    parts = [str(p) for p in loc if not (any(c in str(p) for c in "[]{}()") or str(p).lower() in _INTERNAL_LOC)]
+    return ".".join(parts) if parts else ".".join(str(p) for p in loc)
+
+
+def format_error(err: Any) -> str:
+    if isinstance(err, dict):
+        err = dict(err)
+        value = err.get("input")
+        if isinstance(value, (list, tuple, set, dict)):
+            err["input"] = f"<{type(value).__name__} of {len(value)} items>"
+        elif isinstance(value, str) and len(value) > 200:
+            err["input"] = value[:200] + "...[truncated]"
+        if isinstance(err.get("loc"), (tuple, list)):
+            err["loc"] = clean_loc(err["loc"])
+    text = str(err)
+    return text[:1000] + "...[truncated]" if len(text) > 1000 else text
