@@ -136,8 +136,23 @@ def _wrk(url: str, body: dict[str, Any], concurrency: int, seconds: float) -> Lo
         env = {**os.environ, "BENCH_BODY": json.dumps(body)}
         threads = 1
         out = subprocess.run(
-            [*pinned(0), "wrk", "-t", str(threads), "-c", str(concurrency), "-d", f"{max(1, round(seconds))}s", "-s", f.name, url],
-            capture_output=True, text=True, env=env, check=True,
+            [
+                *pinned(0),
+                "wrk",
+                "-t",
+                str(threads),
+                "-c",
+                str(concurrency),
+                "-d",
+                f"{max(1, round(seconds))}s",
+                "-s",
+                f.name,
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
         ).stdout
     finally:
         os.unlink(f.name)
@@ -169,8 +184,11 @@ async def _py_load(url: str, body: dict[str, Any], concurrency: int, seconds: fl
     elapsed = time.perf_counter() - start
     latencies.sort()
     return Load(
-        len(latencies), elapsed, latencies[len(latencies) // 2] * 1000,
-        latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000, errors,
+        len(latencies),
+        elapsed,
+        latencies[len(latencies) // 2] * 1000,
+        latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1000,
+        errors,
     )
 
 
@@ -189,28 +207,69 @@ def main() -> int:
     sim_url, gw_url = f"http://127.0.0.1:{sim_port}", f"http://127.0.0.1:{gw_port}"
     py = sys.executable
     gateway_cmd = [
-        *pinned(1), py, "-m", "gateway.cli", "serve", "--upstream", sim_url, "--port", str(gw_port),
-        "--host", "127.0.0.1", "--tokenizer", str(tok_dir), "--log-level", "warning", "--max-queue", "10000",
+        *pinned(1),
+        py,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--upstream",
+        sim_url,
+        "--port",
+        str(gw_port),
+        "--host",
+        "127.0.0.1",
+        "--tokenizer",
+        str(tok_dir),
+        "--log-level",
+        "warning",
+        "--max-queue",
+        "10000",
     ]
     loader = "wrk" if shutil.which("wrk") else "python aiohttp client (install wrk for steadier figures)"
     rows: list[tuple[str, str, str, str]] = []
-    with process([*pinned(0), py, "-c", SIM_CODE.format(root=str(ROOT), port=sim_port)], sim_url + "/health"), \
-            process(gateway_cmd, gw_url + "/health"):
+    with (
+        process([*pinned(0), py, "-c", SIM_CODE.format(root=str(ROOT), port=sim_port)], sim_url + "/health"),
+        process(gateway_cmd, gw_url + "/health"),
+    ):
         for path, body in (("/v1/chat/completions", CHAT), ("/v1/chat/completions", STREAM)):
             load(sim_url + path, body, 4, 1.0)  # warm-up: connections, caches, JIT-free but lazy imports
             load(gw_url + path, body, 4, 1.0)
         d1, g1 = (load(u + "/v1/chat/completions", CHAT, 1, args.seconds) for u in (sim_url, gw_url))
-        rows.append(("latency c=1 p50 (ms)", f"{d1.p50_ms:.2f}", f"{g1.p50_ms:.2f}",
-                     f"+{g1.p50_ms - d1.p50_ms:.2f} ms (target <= 0.6)"))
-        rows.append(("latency c=1 p99 (ms)", f"{d1.p99_ms:.2f}", f"{g1.p99_ms:.2f}",
-                     f"+{g1.p99_ms - d1.p99_ms:.2f} ms (target <= 1.5)"))
+        rows.append(
+            (
+                "latency c=1 p50 (ms)",
+                f"{d1.p50_ms:.2f}",
+                f"{g1.p50_ms:.2f}",
+                f"+{g1.p50_ms - d1.p50_ms:.2f} ms (target <= 0.6)",
+            )
+        )
+        rows.append(
+            (
+                "latency c=1 p99 (ms)",
+                f"{d1.p99_ms:.2f}",
+                f"{g1.p99_ms:.2f}",
+                f"+{g1.p99_ms - d1.p99_ms:.2f} ms (target <= 1.5)",
+            )
+        )
         d64, g64 = (load(u + "/v1/chat/completions", CHAT, 64, args.seconds) for u in (sim_url, gw_url))
-        rows.append(("req/s c=64", f"{d64.rps:.0f}", f"{g64.rps:.0f}",
-                     f"{g64.rps / d64.rps:.2f}x direct (target >= 2,500 req/s)"))
+        rows.append(
+            (
+                "req/s c=64",
+                f"{d64.rps:.0f}",
+                f"{g64.rps:.0f}",
+                f"{g64.rps / d64.rps:.2f}x direct (target >= 2,500 req/s)",
+            )
+        )
         rows.append(("p99 c=64 (ms)", f"{d64.p99_ms:.1f}", f"{g64.p99_ms:.1f}", "target <= 60 ms"))
         ds, gs = (load(u + "/v1/chat/completions", STREAM, 16, args.seconds) for u in (sim_url, gw_url))
-        rows.append(("streams/s (20 chunks) c=16", f"{ds.rps:.0f}", f"{gs.rps:.0f}",
-                     f"{gs.rps / ds.rps:.2f}x direct (target >= 2,000)"))
+        rows.append(
+            (
+                "streams/s (20 chunks) c=16",
+                f"{ds.rps:.0f}",
+                f"{gs.rps:.0f}",
+                f"{gs.rps / ds.rps:.2f}x direct (target >= 2,000)",
+            )
+        )
         per_chunk = (1000 / gs.rps - 1000 / ds.rps) * 16 / 22 if gs.rps and ds.rps else 0.0
         rows.append(("added time per chunk (ms, c=16)", "", "", f"{per_chunk:.3f}"))
         errors = sum(x.errors for x in (d1, g1, d64, g64, ds, gs))
@@ -219,14 +278,24 @@ def main() -> int:
     counting = bench_counting(load_tokenizer(str(tok_dir)))
     shutil.rmtree(tmp, ignore_errors=True)
 
-    lines = [f"load generator: {loader}; gateway pinned to CPU 1, simulator + load generator to CPU 0", "",
-             "| measure | direct | gateway | result |", "| --- | --- | --- | --- |"]
+    lines = [
+        f"load generator: {loader}; gateway pinned to CPU 1, simulator + load generator to CPU 0",
+        "",
+        "| measure | direct | gateway | result |",
+        "| --- | --- | --- | --- |",
+    ]
     lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows]
-    lines += ["", "| chat tokens | naive apply_chat_template (ms) | gateway cold (ms) | earlier turns counted (ms) |"
-              " repeated (ms) |", "| --- | --- | --- | --- | --- |"]
+    lines += [
+        "",
+        "| chat tokens | naive apply_chat_template (ms) | gateway cold (ms) | earlier turns counted (ms) |"
+        " repeated (ms) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for size, f in counting.items():
-        lines.append(f"| {int(f['tokens'])} ({size} target) | {f['naive_ms']:.1f} | {f['cold_ms']:.1f} | "
-                     f"{f['prefix_ms']:.1f} | {f['warm_ms']:.2f} |")
+        lines.append(
+            f"| {int(f['tokens'])} ({size} target) | {f['naive_ms']:.1f} | {f['cold_ms']:.1f} | "
+            f"{f['prefix_ms']:.1f} | {f['warm_ms']:.2f} |"
+        )
     text = "\n".join(lines)
     print(text)
     if args.markdown:

@@ -12,7 +12,7 @@ import os
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from pydantic import ValidationError
@@ -47,7 +47,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         else:
             is_optional = origin in (typing.Union, types.UnionType)
             base = next((a for a in args if a is not type(None)), ann) if is_optional else ann
-            conv: type = base if base in (int, float, str) else str
+            conv: Callable[[str], Any] = int if base is int else float if base is float else str
             parser.add_argument(flag, dest=name, type=conv, default=None, help=help_text)
 
 

@@ -159,7 +159,7 @@ def _stream(body: dict[str, Any]) -> bool:
             raise InvalidRequest("'stream_options' must be an object.", param="stream_options")
         if not stream:
             raise InvalidRequest("'stream_options' is only allowed when 'stream' is true.", param="stream_options")
-    return stream
+    return bool(stream)
 
 
 def _n(body: dict[str, Any], route: Route) -> int:

@@ -54,8 +54,12 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 # Requests with less text than this are counted on the event loop. Measured here (2 busy cores, tiny
 # model's tokenizer; medians): a thread-pool round trip costs ~50 us; counting 100 characters of
 # completion text costs ~37 us and a 100-character chat (template render included) ~69 us, growing
-# about linearly from there (300 characters: ~94 / ~142 us). Around 100 characters the two are even.
-INLINE_CHARS = 100
+# about linearly from there (300 characters: ~94 / ~142 us). Around 100 characters the two are even on
+# latency alone, but the pool costs more than its hop: the template render is pure Python and holds the GIL,
+# so a busy worker thread stalls the event loop anyway, and under load the GIL hand-offs cost the gateway
+# a third of its throughput (bench/overhead.py: ~1,700 -> ~2,500 req/s at concurrency 64). So the pool is
+# for large inputs only, where a single count would hold the loop for more than ~0.3 ms.
+INLINE_CHARS = 2048
 DEFAULT_CACHE_CHARS = 32 * 1024 * 1024
 
 

@@ -37,7 +37,8 @@ class UpstreamReply:
 
 class UpstreamStream:
     """An open upstream response whose body is relayed as it arrives. ``close`` is synchronous so that it
-    can run inside a cancelled task (a client that went away), and closing aborts the upstream request."""
+    can run inside a cancelled task (a client that went away); closing before the end aborts the upstream
+    request."""
 
     def __init__(self, response: aiohttp.ClientResponse, timeout_error: Callable[[], GatewayError]) -> None:
         self._response = response
@@ -67,7 +68,9 @@ class UpstreamStream:
             ) from exc
 
     def close(self) -> None:
-        self._response.close()
+        # release() keeps a fully read connection for reuse, and closes one with unread body (a client
+        # that left mid-stream), which is what makes vLLM abort that request.
+        self._response.release()
 
 
 class Upstream:

@@ -28,7 +28,11 @@ def test_flags_beat_environment_which_beats_the_file() -> None:
     [
         ({"VLLM_GUARD_API_KEY": "a, b=5"}, "api_key", ["a", "b=5"]),
         ({"VLLM_GUARD_API_KEY": '["x", "y"]'}, "api_key", ["x", "y"]),
-        ({"VLLM_GUARD_VLLM_ARGS": "--dtype float32 --enforce-eager"}, "vllm_args", ["--dtype", "float32", "--enforce-eager"]),
+        (
+            {"VLLM_GUARD_VLLM_ARGS": "--dtype float32 --enforce-eager"},
+            "vllm_args",
+            ["--dtype", "float32", "--enforce-eager"],
+        ),
         ({"VLLM_GUARD_MANAGED": "true", "VLLM_GUARD_MODEL": "m"}, "managed", True),
         ({"VLLM_GUARD_ON_PROMPT_OVERFLOW": "truncate"}, "on_prompt_overflow", "truncate"),
     ],
@@ -55,7 +59,9 @@ def test_absurd_values_are_refused(values: dict[str, object]) -> None:
         build_settings(values)
 
 
-@pytest.mark.parametrize(("keys", "expected"), [(["a"], {"a": 0}), (["a=3", "b"], {"a": 3, "b": 0}), (["x=y"], {"x=y": 0})])
+@pytest.mark.parametrize(
+    ("keys", "expected"), [(["a"], {"a": 0}), (["a=3", "b"], {"a": 3, "b": 0}), (["x=y"], {"x=y": 0})]
+)
 def test_api_keys_may_carry_a_default_priority(keys: list[str], expected: dict[str, int]) -> None:
     assert build_settings({"api_key": keys}).key_priorities() == expected
 

@@ -50,7 +50,8 @@ def test_retry_after_is_whole_seconds_and_at_least_one(seconds: float, header: s
             400,
             b'{"error": {"message": "This model\'s maximum context length is 2048 tokens. However, your prompt '
             b'contains at least 2049 input tokens", "type": "BadRequestError", "param": "input_tokens", "code": 400}}',
-            "This model's maximum context length is 2048 tokens. However, your prompt contains at least 2049 input tokens",
+            "This model's maximum context length is 2048 tokens. However, your prompt contains at least 2049 "
+            "input tokens",
             "invalid_request_error",
             "context_length_exceeded",
             "input_tokens",
@@ -63,8 +64,14 @@ def test_retry_after_is_whole_seconds_and_at_least_one(seconds: float, header: s
             None,
             None,
         ),
-        (404, b'{"error": {"message": "The model `x` does not exist.", "type": "NotFoundError", "code": 404}}',
-         "The model `x` does not exist.", "invalid_request_error", "model_not_found", None),
+        (
+            404,
+            b'{"error": {"message": "The model `x` does not exist.", "type": "NotFoundError", "code": 404}}',
+            "The model `x` does not exist.",
+            "invalid_request_error",
+            "model_not_found",
+            None,
+        ),
         (500, b"<html>oops</html>", "<html>oops</html>", "server_error", None, None),
         (502, b"", "upstream answered HTTP 502", "server_error", None, None),
     ],

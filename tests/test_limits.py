@@ -64,9 +64,7 @@ def test_reject_states_the_limit_and_the_count(limits: Limits, tokens: int, word
         (L2048, 3000, 5000, 1),  # absurd max_tokens: the prompt never vanishes entirely
     ],
 )
-def test_truncate_leaves_room_for_the_output(
-    limits: Limits, tokens: int, requested: int | None, budget: int
-) -> None:
+def test_truncate_leaves_room_for_the_output(limits: Limits, tokens: int, requested: int | None, budget: int) -> None:
     decision = decide_prompt(tokens, limits, "truncate", requested)
     assert not decision.fits and decision.budget == budget
 

@@ -87,9 +87,7 @@ def test_completion_prompts_come_in_four_shapes(prompt: Any, kind: str, prompts:
     assert (req.prompt_kind, req.prompts) == (kind, prompts)
 
 
-@pytest.mark.parametrize(
-    "prompt", [None, 5, [], [[]], [1, "a"], [[1], "a"], [True, 1], {"text": "x"}]
-)
+@pytest.mark.parametrize("prompt", [None, 5, [], [[]], [1, "a"], [[1], "a"], [True, 1], {"text": "x"}])
 def test_malformed_completion_prompts_are_refused(prompt: Any) -> None:
     with pytest.raises(InvalidRequest) as info:
         parse_completion({"prompt": prompt})

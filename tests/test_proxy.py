@@ -19,7 +19,11 @@ MAX_MODEL_LEN = 512
 @pytest.fixture
 def sim(tokenizer: Any, tokenizer_dir: Any) -> Iterator[SimServer]:
     config = SimConfig(
-        model="tiny", root=str(tokenizer_dir), max_model_len=MAX_MODEL_LEN, num_blocks=256, block_size=16,
+        model="tiny",
+        root=str(tokenizer_dir),
+        max_model_len=MAX_MODEL_LEN,
+        num_blocks=256,
+        block_size=16,
         tokenizer=tokenizer,
     )
     with run_sim_server(config) as server:
@@ -94,7 +98,11 @@ def test_an_omitted_max_tokens_is_sent_explicitly(client: openai.OpenAI, sim: Si
 
 def test_streaming_relays_chunks_and_keeps_include_usage(client: openai.OpenAI, gateway: GatewayServer) -> None:
     stream = client.chat.completions.create(
-        model="tiny", messages=CHATS[1], max_tokens=8, stream=True, stream_options={"include_usage": True},  # type: ignore[arg-type]
+        model="tiny",
+        messages=CHATS[1],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},  # type: ignore[arg-type]
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -122,7 +130,10 @@ def test_truncation_on_request_keeps_the_system_message_and_the_newest_turn(
         {"role": "user", "content": "newest question"},
     ]
     raw = client.chat.completions.with_raw_response.create(
-        model="tiny", messages=messages, max_tokens=20, extra_headers={"x-guard-on-overflow": "truncate"},  # type: ignore[arg-type]
+        model="tiny",
+        messages=messages,
+        max_tokens=20,
+        extra_headers={"x-guard-on-overflow": "truncate"},  # type: ignore[arg-type]
     )
     completion = raw.parse()
     assert int(raw.headers["x-guard-truncated-tokens"]) > 0
@@ -152,20 +163,50 @@ BAD_INPUTS: list[tuple[str, bytes, dict[str, str], int, str]] = [
     ("messages wrong type", b'{"messages": "hi"}', {}, 400, "invalid_request_error"),
     ("empty messages", b'{"messages": []}', {}, 400, "invalid_request_error"),
     ("role-less message", b'{"messages": [{"content": "hi"}]}', {}, 400, "invalid_request_error"),
-    ("zero max_tokens", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', {}, 400,
-     "invalid_request_error"),
-    ("negative max_tokens", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', {}, 400,
-     "invalid_request_error"),
-    ("string max_tokens", b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}', {}, 400,
-     "invalid_request_error"),
+    (
+        "zero max_tokens",
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
+        {},
+        400,
+        "invalid_request_error",
+    ),
+    (
+        "negative max_tokens",
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}',
+        {},
+        400,
+        "invalid_request_error",
+    ),
+    (
+        "string max_tokens",
+        b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}',
+        {},
+        400,
+        "invalid_request_error",
+    ),
     ("n zero", b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}', {}, 400, "invalid_request_error"),
     ("n huge", b'{"messages": [{"role": "user", "content": "hi"}], "n": 1000000}', {}, 400, "invalid_request_error"),
-    ("unknown model", b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}', {}, 404,
-     "invalid_request_error"),
-    ("bad priority header", b'{"messages": [{"role": "user", "content": "hi"}]}', {"x-guard-priority": "high"}, 400,
-     "invalid_request_error"),
-    ("bad overflow header", b'{"messages": [{"role": "user", "content": "hi"}]}', {"x-guard-on-overflow": "drop"},
-     400, "invalid_request_error"),
+    (
+        "unknown model",
+        b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}]}',
+        {},
+        404,
+        "invalid_request_error",
+    ),
+    (
+        "bad priority header",
+        b'{"messages": [{"role": "user", "content": "hi"}]}',
+        {"x-guard-priority": "high"},
+        400,
+        "invalid_request_error",
+    ),
+    (
+        "bad overflow header",
+        b'{"messages": [{"role": "user", "content": "hi"}]}',
+        {"x-guard-on-overflow": "drop"},
+        400,
+        "invalid_request_error",
+    ),
 ]
 
 
@@ -191,7 +232,10 @@ def test_an_oversized_body_gets_413(sim: SimServer, base_settings: Settings) -> 
 
 def test_unknown_fields_pass_through_untouched(client: openai.OpenAI, sim: SimServer) -> None:
     client.chat.completions.create(
-        model="tiny", messages=CHATS[0], max_tokens=2, extra_body={"x_vendor": {"k": [1, 2]}, "top_k": 3},  # type: ignore[arg-type]
+        model="tiny",
+        messages=CHATS[0],
+        max_tokens=2,
+        extra_body={"x_vendor": {"k": [1, 2]}, "top_k": 3},  # type: ignore[arg-type]
     )
     seen = sim.sim.requests_seen[-1]
     assert seen["x_vendor"] == {"k": [1, 2]} and seen["top_k"] == 3
@@ -209,9 +253,10 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_upstream_request(
 ) -> None:
     sim.sim.config.token_delay = 0.02
     with run_gateway(base_settings, upstream=sim.url) as gw:
-        with httpx.Client() as h, h.stream(
-            "POST", gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "stream": True}
-        ) as r:
+        with (
+            httpx.Client() as h,
+            h.stream("POST", gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 400, "stream": True}) as r,
+        ):
             for _ in r.iter_raw():
                 break
         wait_until(lambda: sim.sim.cancelled >= 1 and ledger_is_empty(gw))
@@ -228,7 +273,9 @@ def wait_until(condition: Any, timeout: float = 5.0) -> None:
 
 
 class TestAuth:
-    def test_a_missing_or_wrong_key_gets_401_and_a_right_one_passes(self, sim: SimServer, base_settings: Settings) -> None:
+    def test_a_missing_or_wrong_key_gets_401_and_a_right_one_passes(
+        self, sim: SimServer, base_settings: Settings
+    ) -> None:
         with run_gateway(base_settings, upstream=sim.url, api_key=["k1", "k2=5"]) as gw:
             body = {"prompt": "x", "max_tokens": 1}
             missing = httpx.post(gw.url + "/v1/completions", json=body)
@@ -242,9 +289,15 @@ class TestAuth:
 
     def test_the_upstream_key_is_injected(self, tokenizer: Any, tokenizer_dir: Any, base_settings: Settings) -> None:
         config = SimConfig(model="tiny", root=str(tokenizer_dir), tokenizer=tokenizer, api_key="up-secret")
-        with run_sim_server(config) as sim, run_gateway(base_settings, upstream=sim.url, upstream_api_key="up-secret") as gw:
-            r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                           headers={"authorization": "Bearer client-key-not-forwarded"})
+        with (
+            run_sim_server(config) as sim,
+            run_gateway(base_settings, upstream=sim.url, upstream_api_key="up-secret") as gw,
+        ):
+            r = httpx.post(
+                gw.url + "/v1/completions",
+                json={"prompt": "x", "max_tokens": 1},
+                headers={"authorization": "Bearer client-key-not-forwarded"},
+            )
         assert r.status_code == 200, r.text
 
 
@@ -259,8 +312,12 @@ class TestUpstreamFaults:
 
     @pytest.mark.parametrize(
         ("fault", "status", "code"),
-        [("HANG", 504, "upstream_timeout"), ("RESET", 503, "upstream_unavailable"),
-         ("GARBAGE", 502, "bad_upstream_response"), ("ERROR_500", 500, None)],
+        [
+            ("HANG", 504, "upstream_timeout"),
+            ("RESET", 503, "upstream_unavailable"),
+            ("GARBAGE", 502, "bad_upstream_response"),
+            ("ERROR_500", 500, None),
+        ],
     )
     def test_upstream_faults_become_openai_errors_and_leak_nothing(
         self, sim: SimServer, base_settings: Settings, fault: str, status: int, code: str | None
@@ -268,7 +325,7 @@ class TestUpstreamFaults:
         from tests.vllm_sim import Fault
 
         with run_gateway(base_settings, upstream=sim.url, read_timeout=1.0) as gw:
-            gw.parts.models  # the model listing was read while the upstream was healthy
+            assert gw.parts.models.cached is not None  # the listing was read while the upstream was healthy
             sim.sim.config.fault = Fault[fault]
             r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
             sim.sim.config.fault = None
@@ -285,8 +342,16 @@ def test_metrics_health_and_status_are_served(client: openai.OpenAI, gateway: Ga
     health = httpx.get(gateway.url + "/health")
     assert health.status_code == 200 and health.json()["upstream"]["state"] == "ready"
     status = httpx.get(gateway.url + "/guard/status").json()
-    for key in ("block_size", "capacity_blocks", "committed_blocks", "live_used_blocks", "in_flight", "queued",
-                "upstream", "restarts"):
+    for key in (
+        "block_size",
+        "capacity_blocks",
+        "committed_blocks",
+        "live_used_blocks",
+        "in_flight",
+        "queued",
+        "upstream",
+        "restarts",
+    ):
         assert key in status
     assert {"url", "state", "max_model_len", "last_restart_reason"} <= set(status["upstream"])
 
