@@ -255,15 +255,19 @@ def install_handlers(app: FastAPI) -> None:
         return error_response(err, _request_id_header(request))
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
-        # A bug of ours: log the traceback, tell the client nothing internal.
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        err = GatewayError("The gateway hit an internal error; it has been logged.", code="internal_error")
-        return error_response(err, _request_id_header(request))
+        return internal_error_response(request)
 
     app.add_exception_handler(GatewayError, on_gateway_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(Exception, on_unexpected)
+
+
+def internal_error_response(request: Request) -> Response:
+    """A bug of ours: log the traceback (call from an except block), tell the client nothing internal."""
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    err = GatewayError("The gateway hit an internal error; it has been logged.", code="internal_error")
+    return error_response(err, _request_id_header(request))
 
 
 def _request_id_header(request: Request) -> dict[str, str]:

@@ -361,3 +361,19 @@ def test_tokenize_and_other_v1_routes_pass_through(gateway: GatewayServer) -> No
     assert r.status_code == 200 and r.json()["count"] > 0
     missing = httpx.get(gateway.url + "/v1/no-such-thing")
     assert missing.status_code == 404 and "error" in missing.json()
+
+
+def test_a_bug_in_the_gateway_is_a_500_with_no_internals(
+    gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import gateway.director as director
+
+    async def broken(*args: Any) -> list[int]:
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(director, "count", broken)
+    r = httpx.post(gateway.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 500
+    assert r.json()["error"]["code"] == "internal_error"
+    assert "secret" not in r.text
+    assert ledger_is_empty(gateway)
