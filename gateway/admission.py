@@ -278,6 +278,8 @@ class Admission:
         if cap is not None and self._settings.admission_policy == "adaptive" and self._live_usable():
             self._projected = self._project(cap)
         self._publish()
+        if self._engine is not None:
+            self._engine.publish_freshness()
         return {
             "policy": self._settings.admission_policy,
             "paused": self._paused,

@@ -63,7 +63,11 @@ class Settings(BaseSettings):
 
     # -- KV admission -----------------------------------------------------------------------------
     kv_target: float = Field(
-        0.9, gt=0.0, le=1.0, description="Fraction of the engine's KV blocks the gateway may commit."
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of the engine's KV blocks the gateway may commit; lower it when clients "
+        "bypass the gateway.",
     )
     kv_blocks: int | None = Field(
         None, ge=1, description="Engine KV capacity in blocks, when the engine does not publish it."

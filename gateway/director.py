@@ -17,11 +17,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from .admission import Admission, Reservation
 from .config import PromptOverflowPolicy, Settings
@@ -51,6 +52,7 @@ from .protocol import (
     set_prompts,
 )
 from .upstream import Upstream, UpstreamStream, response_headers
+from .vllm_log import engine_death_reply
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class EngineState(Protocol):
     state: str
 
     def retry_after(self) -> float: ...
+
+    async def failure_noticed(self) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -156,6 +160,9 @@ async def guarded(parts: Parts, request: Request, route: str) -> Response:
                         # wait for the restart in the queue (admission is paused) and send it once more.
                         log.warning("request %s: the engine failed under it; retrying after the restart",
                                     out.request_id)
+                        if parts.supervisor is not None:
+                            # Until the supervisor has seen the death, a retry would hit the dead engine.
+                            await parts.supervisor.failure_noticed()
                         continue
                     # From here the relay owns the reservation and the stream, and the streaming response
                     # watches the client itself.
@@ -180,6 +187,10 @@ async def guarded(parts: Parts, request: Request, route: str) -> Response:
         _uncancel()
         metrics.record_request(route, "cancelled")
         log.info("request %s: the client went away; its upstream request was cancelled", out.request_id)
+        return Response(status_code=499)
+    except ClientDisconnect:
+        # Gone while sending its body: nothing was reserved or sent upstream, and it is no error of ours.
+        metrics.record_request(route, "cancelled")
         return Response(status_code=499)
 
 
@@ -276,46 +287,70 @@ async def forward(parts: Parts, route: str, body: bytes, out: Outcome, reservati
 def relay_stream(
     parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation, out: Outcome
 ) -> StreamingResponse:
+    relay = StreamRelay(parts, route, stream, reservation)
     ctype = stream.headers.get("content-type", "")
     if not ctype.startswith("text/event-stream"):
-        stream.close()
-        parts.metrics.in_flight.dec()
-        reservation.release()
+        relay.finish("error")
         raise BadUpstreamResponse(f"The upstream answered a stream request with content-type {ctype!r}.")
-    return StreamingResponse(
-        _relay(parts, route, stream, reservation), media_type="text/event-stream",
+    return RelayResponse(
+        relay, media_type="text/event-stream",
         headers={**out.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"},
     )
 
 
-async def _relay(
-    parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation
-) -> AsyncIterator[bytes]:
-    metrics = parts.metrics
-    t0 = time.perf_counter()
-    events = 0
-    outcome = "cancelled"
-    try:
-        async for chunk in stream.chunks():
-            if events == 0:
-                metrics.record_ttft(route, time.perf_counter() - t0)
-            # One SSE event per generated token (vLLM streams each step); cheap progress for admission.
-            events += chunk.count(b"data: ")
-            reservation.observe_output_tokens(events)
-            yield chunk
-        outcome = "ok"
-    except GatewayError as exc:
-        outcome = "error"
-        log.warning("stream cut by the upstream: %s", exc.message)
-        yield sse_error_event(exc)
-    finally:
+class StreamRelay:
+    """One upstream stream relayed to one client. ``finish`` frees everything exactly once, whether the
+    stream ended, broke, or never started (a client gone before the first byte)."""
+
+    def __init__(self, parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation) -> None:
+        self.parts, self.route, self.stream, self.reservation = parts, route, stream, reservation
+        self.t0 = time.perf_counter()
+        self.done = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        metrics = self.parts.metrics
+        events = 0
+        outcome = "cancelled"
+        try:
+            async for chunk in self.stream.chunks():
+                if events == 0:
+                    metrics.record_ttft(self.route, time.perf_counter() - self.t0)
+                # One SSE event per generated token (vLLM streams each step): cheap progress for admission.
+                events += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+                self.reservation.observe_output_tokens(events)
+                yield chunk
+            outcome = "ok"
+        except GatewayError as exc:
+            outcome = "error"
+            log.warning("stream cut by the upstream: %s", exc.message)
+            yield sse_error_event(exc)
+        finally:
+            self.finish(outcome)
+
+    def finish(self, outcome: str) -> None:
         # Synchronous on purpose: this also runs inside a cancelled task when the client went away.
-        stream.close()
+        if self.done:
+            return
+        self.done = True
+        self.stream.close()
         # A cut stream's short output must not teach admission that outputs are short.
-        reservation.release(completed=outcome == "ok")
+        self.reservation.release(completed=outcome == "ok")
+        metrics = self.parts.metrics
         metrics.in_flight.dec()
-        metrics.record_upstream_latency(route, time.perf_counter() - t0)
-        metrics.record_request(route, outcome)
+        metrics.record_upstream_latency(self.route, time.perf_counter() - self.t0)
+        metrics.record_request(self.route, outcome)
+
+
+class RelayResponse(StreamingResponse):
+    def __init__(self, relay: StreamRelay, **kwargs: Any) -> None:
+        super().__init__(relay.chunks(), **kwargs)
+        self.relay = relay
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.relay.finish("cancelled")
 
 
 # -- small stages ---------------------------------------------------------------------------------
@@ -324,7 +359,7 @@ def engine_failed(parts: Parts, exc: GatewayError) -> bool:
     sup = parts.supervisor
     if sup is None or exc.status < 500:
         return False
-    return sup.state != "ready" or isinstance(exc, UpstreamUnavailable) or "EngineDead" in exc.message
+    return sup.state != "ready" or isinstance(exc, UpstreamUnavailable) or engine_death_reply(exc.message)
 
 
 def engine_failure(parts: Parts) -> UpstreamUnavailable:
@@ -474,7 +509,10 @@ async def passthrough(parts: Parts, request: Request, path: str) -> Response:
     """Any other /v1/* route, /tokenize and /detokenize: forwarded with auth, streamed back as it comes."""
     rid = request_id(request)
     authenticate(parts, request)
-    body = await read_body(request, parts.settings.max_body_bytes)
+    try:
+        body = await read_body(request, parts.settings.max_body_bytes)
+    except ClientDisconnect:
+        return Response(status_code=499)
     headers = {k: v for k, v in request.headers.items()}
     headers["x-request-id"] = rid
     stream = await parts.upstream.open(

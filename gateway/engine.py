@@ -223,6 +223,11 @@ class EngineView:
         age = self.age()
         return age is None or age > self._stale_after
 
+    def publish_freshness(self) -> None:
+        """Export the age and staleness as of now. A scrape sets them when it ends, so one that hangs (an
+        engine that accepts connections and never answers) would otherwise leave them frozen at "fresh"."""
+        self._metrics.record_engine_freshness(self.age(), self.is_stale())
+
     async def refresh(self) -> EngineSnapshot:
         taken_at = self._clock()
         old = self.snapshot

@@ -189,6 +189,9 @@ class Metrics:
     def record_scrape(self, ok: bool, age_seconds: float | None, stale: bool) -> None:
         if not ok:
             self.scrape_errors.inc()
+        self.record_engine_freshness(age_seconds, stale)
+
+    def record_engine_freshness(self, age_seconds: float | None, stale: bool) -> None:
         if age_seconds is not None:
             self.engine_metrics_age.set(age_seconds)
         self.engine_metrics_stale.set(1 if stale else 0)
