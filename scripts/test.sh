@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The project's test command: set-up, then the whole pytest suite (end-to-end tests against a real
+# vLLM included), ruff and mypy. Every step runs even when an earlier one fails, so one run shows
+# everything that is wrong; the exit status is non-zero when any step failed.
+#
+#   scripts/test.sh                      everything
+#   scripts/test.sh -m 'not e2e' -x      extra arguments go to pytest
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+"$ROOT/scripts/setup.sh" || { echo "test: setup failed" >&2; exit 1; }
+
+PY="$ROOT/.venv/bin/python"
+failed=()
+
+echo "test: pytest $*"
+"$PY" -m pytest "$@"
+rc=$?
+case "$rc" in
+    0) ;;
+    # Exit code 5 means pytest collected nothing: a suite that tests nothing is broken, not green.
+    5) echo "test: pytest collected no tests (exit 5); treating that as a failure" >&2; failed+=("pytest(no tests)") ;;
+    *) failed+=("pytest(exit $rc)") ;;
+esac
+
+echo "test: ruff check"
+"$ROOT/.venv/bin/ruff" check . || failed+=("ruff")
+
+echo "test: mypy (strict, per pyproject.toml)"
+"$ROOT/.venv/bin/mypy" || failed+=("mypy")
+
+if [ "${#failed[@]}" -gt 0 ]; then
+    echo "test: FAILED: ${failed[*]}" >&2
+    exit 1
+fi
+echo "test: all passed (pytest, ruff, mypy)"
