@@ -37,13 +37,14 @@ CHAT = {
     "model": "tiny",
     "messages": [
         {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": "What is the capital of France? Answer in one word."},
+        # {n} becomes a per-request number, so that no request is counted from a cache of identical ones.
+        {"role": "user", "content": "Question {n}: what is the capital of France? Answer in one word."},
     ],
     "max_tokens": 1,
 }
 STREAM = {
     "model": "tiny",
-    "messages": [{"role": "user", "content": "Count to twenty."}],
+    "messages": [{"role": "user", "content": "Count to twenty, run {n}."}],
     "max_tokens": 20,
     "ignore_eos": True,
     "stream": True,
@@ -55,6 +56,9 @@ sys.path.insert(0, {root!r})
 from tests.vllm_sim import SimConfig, create_sim_app
 app = create_sim_app(SimConfig(model="tiny", max_model_len=32768, num_blocks=1_000_000, block_size=16,
                                max_num_seqs=100_000))
+import gc
+gc.collect()
+gc.freeze()  # as the gateway does: the direct baseline must not carry GC pauses the gateway avoids
 uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning", access_log=False, loop="uvloop",
             http="httptools")
 """
@@ -62,7 +66,12 @@ uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning", access_log=
 WRK_LUA = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-wrk.body = os.getenv("BENCH_BODY")
+local template = os.getenv("BENCH_BODY")
+local counter = 0
+request = function()
+  counter = counter + 1
+  return wrk.format(nil, nil, nil, (string.gsub(template, "{n}", tostring(counter))))
+end
 done = function(summary, latency, requests)
   io.write(string.format('{"requests": %d, "seconds": %f, "p50_ms": %f, "p99_ms": %f, "errors": %d}\\n',
     summary.requests, summary.duration / 1e6, latency:percentile(50) / 1000, latency:percentile(99) / 1000,
@@ -165,12 +174,15 @@ async def _py_load(url: str, body: dict[str, Any], concurrency: int, seconds: fl
 
     latencies: list[float] = []
     errors = 0
-    payload = json.dumps(body).encode()
+    template = json.dumps(body)
+    counter = 0
     deadline = time.perf_counter() + seconds
 
     async def worker(session: aiohttp.ClientSession) -> None:
-        nonlocal errors
+        nonlocal errors, counter
         while time.perf_counter() < deadline:
+            counter += 1
+            payload = template.replace("{n}", str(counter)).encode()
             t0 = time.perf_counter()
             async with session.post(url, data=payload, headers={"content-type": "application/json"}) as r:
                 await r.read()
