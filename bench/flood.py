@@ -107,6 +107,10 @@ class Column:
     # What vLLM really decoded: a client that went away must not leave its request running upstream.
     generated: float = 0.0
     wall_s: float = 0.0
+    # Over all repeats of this column (the column itself is the run of median throughput).
+    all_runs: list[float] = field(default_factory=list)
+    all_preemptions: float = 0.0
+    all_failed: int = 0
 
     @property
     def failed(self) -> int:
@@ -224,6 +228,13 @@ def markdown_table(columns: Sequence[Column]) -> str:
         ("p99 latency (s)", [fmt(c.latency(0.99)) for c in columns]),
         ("wall time (s)", [fmt(c.wall_s, 1) for c in columns]),
     ]
+    if any(len(c.all_runs) > 1 for c in columns):
+        rows += [
+            ("tokens/s of every run", [" / ".join(f"{t:.0f}" for t in c.all_runs) for c in columns]),
+            ("preemptions, all runs", [f"{c.all_preemptions:.0f}" for c in columns]),
+            ("failed requests, all runs", [str(c.all_failed) for c in columns]),
+        ]
+        rows[0] = ("preemptions (vLLM), median run", rows[0][1])
     lines = [
         "| | " + " | ".join(c.target.name for c in columns) + " |",
         "|---|" + "---:|" * len(columns),
@@ -267,6 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=1000, help="prompt length in tokens (1000)")
     parser.add_argument("--max-tokens", type=int, default=900, help="max_tokens of every request (900)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeat", type=int, default=3, help="runs per column, taking turns; the median is shown (3)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one flood may take (900)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "flood.md", help="markdown report path")
     args = parser.parse_args(argv)
@@ -284,29 +296,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     eos_id = int(eos[0] if isinstance(eos, list) else eos)
     # Prefix caching off: every column then does the same prefill work for the same prompts.
     vllm = vllm_server(model, logs / "vllm.log", extra_args=["--no-enable-prefix-caching"])
+    gateways: dict[str, ServerProcess] = {}
+    runs: dict[tuple[str, str], list[Column]] = {}
     try:
         vllm.start()
         vllm.wait_ready(VLLM_READY_PATHS, 600)
         version = get_json(f"{vllm.url}/version").get("version", "?")
         for target in targets:
-            gateway: ServerProcess | None = None
-            try:
-                if target.gateway_args is not None:
-                    slug = target.name.replace(" ", "-").replace("(", "").replace(")", "")
-                    gateway = gateway_server(vllm.url, logs / f"{slug}.log", target.gateway_args, name=target.name)
-                    gateway.start()
-                    gateway.wait_ready(GATEWAY_READY_PATHS, 120)
-                base = gateway.url if gateway else vllm.url
-                for workload in workloads:
-                    print(f"flood: {workload.name} -> {target.name}", file=sys.stderr)
+            if target.gateway_args is not None:
+                slug = target.name.replace(" ", "-").replace("(", "").replace(")", "")
+                gateway = gateway_server(vllm.url, logs / f"{slug}.log", target.gateway_args, name=target.name)
+                gateways[target.name] = gateway
+                gateway.start()
+                gateway.wait_ready(GATEWAY_READY_PATHS, 120)
+        # Columns take turns, run after run: a slow spell of this shared machine then hits every column alike,
+        # and each cell reports the run of median throughput.
+        for rep in range(args.repeat):
+            for workload in workloads:
+                for target in targets:
+                    gateway = gateways.get(target.name)
+                    base = gateway.url if gateway else vllm.url
+                    print(f"flood: run {rep + 1}/{args.repeat} {workload.name} -> {target.name}", file=sys.stderr)
                     column = run_column(vllm, target, workload, base, eos_id, args.timeout)
-                    results[workload.name].append(column)
+                    runs.setdefault((workload.name, target.name), []).append(column)
                     print(markdown_table([column]), file=sys.stderr)
-            finally:
-                if gateway is not None:
-                    gateway.stop()
     finally:
+        for gateway in gateways.values():
+            gateway.stop()
         vllm.stop()
+    for workload in workloads:
+        for target in targets:
+            done = sorted(runs[(workload.name, target.name)], key=Column.tokens_per_s)
+            median = done[len(done) // 2]
+            median.all_runs = [c.tokens_per_s() for c in runs[(workload.name, target.name)]]
+            median.all_preemptions = sum(c.preemptions for c in done)
+            median.all_failed = sum(c.failed for c in done)
+            results[workload.name].append(median)
 
     report = render_report(argv, workloads, results, targets, version)
     print(report)
@@ -328,7 +353,7 @@ def render_report(
     parts = [
         "# Flood: vLLM alone vs. behind vllm-guard",
         "",
-        f"Measured in one run of `{command}` on {datetime.now(UTC):%Y-%m-%d} "
+        f"Measured by `{command}` on {datetime.now(UTC):%Y-%m-%d} "
         f"({platform.machine()}, {_cpu_count()} CPUs, vLLM {vllm_version}, CPU build).",
         "",
         f"vLLM serves the tiny random-weight model with a {DEFAULT_KV_CACHE_BYTES / 2**20:g} MiB KV cache "
@@ -337,7 +362,8 @@ def render_report(
         "counts the generated tokens of requests that succeeded, over the flood's wall time; "
         "\"tokens vLLM generated\" is vLLM's own count (`vllm:generation_tokens_total`), which shows work "
         "done for nobody (an abandoned request left running); latency is per successful request, end to "
-        "end as the client sees it.",
+        "end as the client sees it. Columns take turns; each cell is the run of median throughput, and "
+        "the last rows cover every run (this machine's speed varies by tens of percent from minute to minute).",
         "",
         "Gateway columns: "
         + "; ".join(f"{t.name} = `vllm-guard serve {' '.join(t.gateway_args)}`" for t in targets if t.gateway_args)

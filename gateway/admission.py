@@ -14,8 +14,11 @@ A request's *need* is the most KV blocks it can make the engine allocate:
 
 ``adaptive`` (default)
     Admit whenever strict would. Besides, while the engine's metrics are fresh, admit while
-    ``projected + growth(new) <= B``, where
-    ``projected = live_used + sum over in-flight requests r of growth(r)``:
+    ``projected + growth(new) <= B``, where ``projected`` is the smaller of two bounds on where the in-flight
+    requests end up: ``live_used + sum over in-flight r of growth(r)`` (what each adds on top of what the
+    engine holds now), and ``max(live_used, sum over in-flight r of final(r))`` (their expected final sizes
+    together; ``final`` is ``growth`` without credit). The second keeps a request whose progress is unknown
+    (not streamed, not yet started) from being counted twice, once in live usage and once whole:
 
     - ``live_used`` = ``kv_cache_usage_perc x capacity``: what the engine holds now, prefix sharing included;
     - ``credited(r)``: the blocks ``r`` surely held when that usage was measured, known from its streamed
@@ -523,12 +526,22 @@ class Admission:
 
     def _project(self, cap: Capacity) -> int:
         live = self._live_used(cap) or 0
-        return live + sum(self._growth(r, cap.block_size) for r in self._in_flight)
+        bs = cap.block_size
+        # Two views of where the in-flight requests end up; both bound it, the smaller is kept.
+        # On top of live usage: each request's growth past what the snapshot surely holds of it (its streamed
+        # progress). A request with no progress seen (not streamed, or not yet started) is counted whole,
+        # so what it already holds counts twice.
+        on_top = live + sum(self._growth(r, bs) for r in self._in_flight)
+        # Their final sizes together, never below what the engine holds now: exact for requests whose
+        # progress is unknown, as long as the gateway is the engine's client (--kv-target leaves room for others).
+        final = max(live, sum(self._growth(r, bs, use_credit=False) for r in self._in_flight))
+        return min(on_top, final)
 
-    def _growth(self, r: Reservation, block_size: int) -> int:
-        """Blocks ``r`` may still add to the live usage (see the module docstring)."""
+    def _growth(self, r: Reservation, block_size: int, *, use_credit: bool = True) -> int:
+        """Blocks ``r`` may still add to the live usage (see the module docstring); without ``use_credit``,
+        the blocks it will hold at its (expected) end."""
         credited = 0
-        if r._credited is not None:
+        if use_credit and r._credited is not None:
             credited = blocks_in_use_at_least(r.prompt_tokens, r._credited, r.n, block_size)
         worst = max(0, r.blocks - credited)
         longest = self._output_estimate()
