@@ -7,11 +7,11 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from gateway import guardian
+from tests.procs import alive
 
 SLEEPER = "import sys, time; print('up', flush=True); time.sleep(3600)"
 STUBBORN = (
@@ -19,14 +19,6 @@ STUBBORN = (
     "kid = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(3600)']); "
     "print(kid.pid, flush=True); time.sleep(3600)"
 )
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def gone(pid: int, timeout: float = 5.0) -> bool:

@@ -26,6 +26,7 @@ import pytest
 from gateway.config import Settings
 from gateway.guardian import group_pids
 from tests.harness import GatewayServer, run_gateway
+from tests.procs import alive
 
 FAKE = Path(__file__).parent / "fake_vllm" / "server.py"
 MODEL = "fake-model"
@@ -62,14 +63,6 @@ def status(gw: GatewayServer) -> dict[str, Any]:
 
 def ready(gw: GatewayServer) -> bool:
     return bool(status(gw)["upstream"]["state"] == "ready")
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def launches(state: Path) -> int:

@@ -22,6 +22,7 @@ from gateway.config import Settings
 from gateway.guardian import group_pids
 from gateway.metrics import Metrics
 from gateway.supervisor import Supervisor, SupervisorError
+from tests.procs import alive
 
 FAKE = Path(__file__).parent / "fake_vllm" / "server.py"
 ROOT = Path(__file__).parent.parent
@@ -114,14 +115,6 @@ def launches(state: Path) -> int:
 
 def argv(state: Path, launch: int) -> list[str]:
     return list(json.loads((state / f"argv-{launch}.json").read_text()))
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def restarts(metrics: Metrics, reason: str) -> float:

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from gateway.guardian import group_pids
+from tests.procs import alive as _alive
 
 from .servers import (
     DEFAULT_KV_CACHE_BYTES,
@@ -214,11 +215,3 @@ def _engine_core(pgid: int) -> int | None:
             if b"EngineCore" in title or b"EngineCor" in comm:
                 return pid
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
