@@ -90,13 +90,18 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
     models = Models(settings, upstream, metrics, executor)
     parts = Parts(settings, metrics, upstream, models, admission, supervisor, engine)
 
+    refreshing: set[asyncio.Task[None]] = set()
+
     def on_snapshot(old: EngineSnapshot, new: EngineSnapshot) -> None:
         if supervisor is None:
             metrics.set_upstream_state("ready" if new.ok else "down")
         cached = models.cached
         if new.ok and new.max_model_len is not None and (cached is None or cached.max_model_len != new.max_model_len):
             # The engine came back with another context length (a restart, an auto-fit): re-read the listing.
-            asyncio.get_running_loop().create_task(_refresh_quietly(models))
+            # The loop keeps only weak references to tasks: hold this one until it is done.
+            task = asyncio.get_running_loop().create_task(_refresh_quietly(models))
+            refreshing.add(task)
+            task.add_done_callback(refreshing.discard)
 
     engine.on_snapshot(on_snapshot)
 
