@@ -45,30 +45,18 @@ ANSWER = {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 degrees"}
 
 def reference(tok: Any, body: dict[str, Any]) -> int:
     """The count by the tokenizer itself, the way vLLM calls it for a chat request."""
-    kwargs = dict(body.get("chat_template_kwargs") or {})
-    text = tok.apply_chat_template(
-        body["messages"],
-        tools=body.get("tools"),
-        documents=body.get("documents"),
-        add_generation_prompt=body.get("add_generation_prompt", True),
-        continue_final_message=body.get("continue_final_message", False),
-        chat_template=body.get("chat_template"),
-        tokenize=False,
-        **kwargs,
-    )
+    kwargs = {
+        "tools": body.get("tools"),
+        "documents": body.get("documents"),
+        "add_generation_prompt": body.get("add_generation_prompt", True),
+        "continue_final_message": body.get("continue_final_message", False),
+        "chat_template": body.get("chat_template"),
+        **(body.get("chat_template_kwargs") or {}),
+    }
+    text = tok.apply_chat_template(body["messages"], tokenize=False, **kwargs)
     ids = tok(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
     if not body.get("add_special_tokens"):
-        assert ids == tok.apply_chat_template(
-            body["messages"],
-            tools=body.get("tools"),
-            documents=body.get("documents"),
-            add_generation_prompt=body.get("add_generation_prompt", True),
-            continue_final_message=body.get("continue_final_message", False),
-            chat_template=body.get("chat_template"),
-            tokenize=True,
-            return_dict=False,
-            **kwargs,
-        )
+        assert ids == tok.apply_chat_template(body["messages"], tokenize=True, return_dict=False, **kwargs)
     return len(ids)
 
 

@@ -36,32 +36,18 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-try:
-    from .vllm_sim_engine import VLLM_VERSION, Fault, Sequence, SimConfig, Simulator
-    from .vllm_sim_text import ChatTemplateError, PromptCounter, chat_template_kwargs
-    from .vllm_sim_wire import (
-        ChatBody,
-        CompletionBody,
-        Plan,
-        SseWriter,
-        StreamOptions,
-        clean_loc,
-        format_error,
-        full_body,
-    )
-except ImportError:  # imported as a top-level module (tests/ on sys.path)
-    from vllm_sim_engine import VLLM_VERSION, Fault, Sequence, SimConfig, Simulator  # type: ignore[no-redef]
-    from vllm_sim_text import ChatTemplateError, PromptCounter, chat_template_kwargs  # type: ignore[no-redef]
-    from vllm_sim_wire import (  # type: ignore[no-redef]
-        ChatBody,
-        CompletionBody,
-        Plan,
-        SseWriter,
-        StreamOptions,
-        clean_loc,
-        format_error,
-        full_body,
-    )
+from .vllm_sim_engine import VLLM_VERSION, Fault, Sequence, SimConfig, Simulator
+from .vllm_sim_text import ChatTemplateError, PromptCounter, chat_template_kwargs
+from .vllm_sim_wire import (
+    ChatBody,
+    CompletionBody,
+    Plan,
+    SseWriter,
+    StreamOptions,
+    clean_loc,
+    format_error,
+    full_body,
+)
 
 __all__ = ["Fault", "SimConfig", "SimServer", "Simulator", "create_sim_app", "run_sim_server"]
 

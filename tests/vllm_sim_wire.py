@@ -14,10 +14,7 @@ from typing import Annotated, Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-try:
-    from .vllm_sim_engine import Sequence
-except ImportError:  # imported as a top-level module (tests/ on sys.path)
-    from vllm_sim_engine import Sequence  # type: ignore[no-redef]
+from .vllm_sim_engine import Sequence
 
 _WORDS = ("the ", "quick ", "brown ", "fox ", "jumps ", "over ", "a ", "lazy ", "dog ", "while ", "tokens ",
           "stream ", "out ", "of ", "the ", "simulated ", "engine ", "one ", "step ", "at ", "a ", "time ")
