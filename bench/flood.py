@@ -18,6 +18,12 @@ Workloads:
   disconnecting the client measured vLLM's late disconnect detection instead of early stops.) This is
   where an adaptive policy (live KV usage) should beat a strict one (worst case only).
 
+With ``--stream`` the requests stream and the table adds time to first token. Unless ``--no-plot``, vLLM's
+/metrics is sampled during every flood and one PNG per workload goes beside the report (``img/<report>.png``,
+``img/<report>-<workload>.png`` when there are several): vLLM's KV usage and cumulative preemptions over time,
+one line per column, and throughput and TTFT (or latency) bars. It needs the ``bench`` extra (matplotlib);
+without it the benchmark runs and says the picture was skipped.
+
     .venv/bin/python bench/flood.py                       # vLLM direct and the gateway, both workloads
     .venv/bin/python bench/flood.py --policy strict --policy adaptive --workload early
 """
@@ -26,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
 import platform
-import random
 import sys
 import tempfile
 import time
@@ -39,18 +45,17 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-import aiohttp
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.e2e.payloads import token_ids  # noqa: E402  (the suite's launcher and payloads, shared)
+from bench.flood_client import Outcome, Workload, build_workloads, flood  # noqa: E402
+from bench.plots import ColumnBars, Timeline, flood_figure, unavailable  # noqa: E402
+from bench.timeline import MetricsSampler  # noqa: E402
 from tests.e2e.servers import (  # noqa: E402
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_MODEL_LEN,
     GATEWAY_READY_PATHS,
-    SERVED_MODEL_NAME,
     VLLM_READY_PATHS,
     ServerProcess,
     ensure_tiny_model,
@@ -62,6 +67,7 @@ from tests.e2e.servers import (  # noqa: E402
 
 PREEMPTIONS = "vllm:num_preemptions_total"
 GENERATED = "vllm:generation_tokens_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"
 # Long enough that the gateway queues rather than sheds: the table compares preemption with queueing.
 DEFAULT_GATEWAY_ARGS = ("--queue-timeout", "600")
 
@@ -72,31 +78,6 @@ class Target:
 
     name: str
     gateway_args: tuple[str, ...] | None = None
-
-
-@dataclass(frozen=True)
-class Planned:
-    prompt: list[int]
-    max_tokens: int
-    # Where EOS is forced (min_tokens plus a logit bias on EOS); None: run to max_tokens (ignore_eos).
-    true_length: int | None = None
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    description: str
-    requests: tuple[Planned, ...]
-
-
-@dataclass
-class Outcome:
-    ok: bool
-    latency_s: float
-    tokens: int
-    error: str = ""
-    # Whether it generated exactly what was planned (max_tokens, or the forced early EOS).
-    as_planned: bool = False
 
 
 @dataclass
@@ -111,6 +92,9 @@ class Column:
     all_runs: list[float] = field(default_factory=list)
     all_preemptions: float = 0.0
     all_failed: int = 0
+    # vLLM's /metrics during the flood (empty when not sampled), times relative to the flood's start.
+    samples: list[tuple[float, dict[str, float]]] = field(default_factory=list)
+    preemptions_before: float = 0.0
 
     @property
     def failed(self) -> int:
@@ -122,64 +106,23 @@ class Column:
 
     def latency(self, q: float) -> float | None:
         lat = sorted(o.latency_s for o in self.outcomes if o.ok)
-        if not lat:
-            return None
-        # Nearest rank: with 12 requests p99 is the slowest one, not an interpolation past it.
-        return lat[max(0, math.ceil(q * len(lat)) - 1)]
+        return _nearest_rank(lat, q)
+
+    def ttft(self, q: float) -> float | None:
+        return _nearest_rank(sorted(o.ttft_s for o in self.outcomes if o.ok and o.ttft_s is not None), q)
+
+    def timeline(self) -> Timeline:
+        return Timeline(
+            self.target.name,
+            [t for t, _ in self.samples],
+            [m[KV_USAGE] for _, m in self.samples],
+            [m[PREEMPTIONS] - self.preemptions_before for _, m in self.samples],
+        )
 
 
-def build_workloads(names: Sequence[str], n: int, prompt_tokens: int, max_tokens: int, seed: int) -> list[Workload]:
-    prompts = [token_ids(prompt_tokens, seed=seed * 1000 + i) for i in range(n)]
-    rng = random.Random(seed)
-    lengths = [rng.randint(max(1, max_tokens // 40), max(2, max_tokens // 6)) for _ in range(n)]
-    table = {
-        "full": Workload(
-            "full",
-            f"{n} concurrent /v1/completions, {prompt_tokens} prompt tokens, max_tokens {max_tokens}, "
-            "ignore_eos: every request runs to max_tokens",
-            tuple(Planned(p, max_tokens) for p in prompts),
-        ),
-        "early": Workload(
-            "early",
-            f"{n} concurrent /v1/completions, {prompt_tokens} prompt tokens, max_tokens {max_tokens}; each "
-            f"really ends at EOS after {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / n:.0f}), "
-            "which the gateway cannot know",
-            tuple(Planned(p, max_tokens, t) for p, t in zip(prompts, lengths, strict=True)),
-        ),
-    }
-    return [table[name] for name in names]
-
-
-async def _one(session: aiohttp.ClientSession, base: str, plan: Planned, eos_id: int) -> Outcome:
-    body: dict[str, object] = {
-        "model": SERVED_MODEL_NAME, "prompt": plan.prompt, "max_tokens": plan.max_tokens, "temperature": 0.0,
-    }  # fmt: skip
-    if plan.true_length is None:
-        body["ignore_eos"] = True
-    else:
-        # EOS is masked until min_tokens, then wins the next draw: EOS is token number true_length, as at a
-        # real EOS (vLLM counts it among the completion tokens).
-        body.update({"min_tokens": plan.true_length - 1, "logit_bias": {str(eos_id): 100}})
-    started = time.monotonic()
-    try:
-        async with session.post(f"{base}/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                return Outcome(False, time.monotonic() - started, 0, f"HTTP {resp.status}: {(await resp.text())[:200]}")
-            data = await resp.json()
-            tokens = int(data["usage"]["completion_tokens"])
-            planned = plan.true_length if plan.true_length is not None else plan.max_tokens
-            return Outcome(True, time.monotonic() - started, tokens, as_planned=tokens == planned)
-    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as exc:
-        return Outcome(False, time.monotonic() - started, 0, f"{type(exc).__name__}: {exc}"[:200])
-
-
-async def flood(base: str, workload: Workload, eos_id: int, timeout_s: float) -> tuple[list[Outcome], float]:
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    # No pool limit: the point is that every request arrives at once.
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
-        started = time.monotonic()
-        outcomes = await asyncio.gather(*(_one(session, base, p, eos_id) for p in workload.requests))
-        return list(outcomes), time.monotonic() - started
+def _nearest_rank(ordered: Sequence[float], q: float) -> float | None:
+    # Nearest rank: with 12 requests p99 is the slowest one, not an interpolation past it.
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)] if ordered else None
 
 
 def wait_idle(vllm: ServerProcess, timeout_s: float = 120.0) -> None:
@@ -196,14 +139,27 @@ def wait_idle(vllm: ServerProcess, timeout_s: float = 120.0) -> None:
     raise RuntimeError(f"vLLM still busy {timeout_s:.0f} s after the flood")
 
 
+@dataclass(frozen=True)
+class RunOptions:
+    timeout_s: float
+    stream: bool
+    sample_interval_s: float | None  # None: vLLM's /metrics is not sampled (no picture)
+
+
 def run_column(
-    vllm: ServerProcess, target: Target, workload: Workload, base: str, eos_id: int, timeout_s: float
+    vllm: ServerProcess, target: Target, workload: Workload, base: str, eos_id: int, opts: RunOptions
 ) -> Column:
     metrics = f"{vllm.url}/metrics"
     wait_idle(vllm)
     before = {name: scrape_counter(metrics, name) for name in (PREEMPTIONS, GENERATED)}
-    outcomes, wall = asyncio.run(flood(base, workload, eos_id, timeout_s))
-    wait_idle(vllm)
+    # The sampler runs until vLLM is idle again, so the picture shows the KV cache draining too.
+    sampler = MetricsSampler(metrics, (KV_USAGE, PREEMPTIONS), opts.sample_interval_s or 1.0)
+    with sampler if opts.sample_interval_s else contextlib.nullcontext():
+        started = time.monotonic()
+        outcomes, wall = asyncio.run(flood(base, workload, eos_id, opts.timeout_s, opts.stream))
+        wait_idle(vllm)
+    if opts.sample_interval_s:
+        print(f"flood: vLLM /metrics: {sampler.summary()}", file=sys.stderr)
     after = {name: scrape_counter(metrics, name) for name in (PREEMPTIONS, GENERATED)}
     return Column(
         target,
@@ -211,6 +167,8 @@ def run_column(
         preemptions=after[PREEMPTIONS] - before[PREEMPTIONS],
         generated=after[GENERATED] - before[GENERATED],
         wall_s=wall,
+        samples=[(at - started, values) for at, values in sampler.samples],
+        preemptions_before=before[PREEMPTIONS],
     )
 
 
@@ -226,6 +184,14 @@ def markdown_table(columns: Sequence[Column]) -> str:
         ("requests of planned length", [f"{sum(o.as_planned for o in c.outcomes)}" for c in columns]),
         ("p50 latency (s)", [fmt(c.latency(0.50)) for c in columns]),
         ("p99 latency (s)", [fmt(c.latency(0.99)) for c in columns]),
+        *(
+            [
+                ("p50 TTFT (s)", [fmt(c.ttft(0.50)) for c in columns]),
+                ("p99 TTFT (s)", [fmt(c.ttft(0.99)) for c in columns]),
+            ]
+            if any(o.ttft_s is not None for c in columns for o in c.outcomes)
+            else []
+        ),
         ("wall time (s)", [fmt(c.wall_s, 1) for c in columns]),
     ]
     if any(len(c.all_runs) > 1 for c in columns):
@@ -281,7 +247,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="runs per column, taking turns; the median is shown (3)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one flood may take (900)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "flood.md", help="markdown report path")
+    parser.add_argument("--stream", action="store_true", help="stream the requests; the table adds TTFT")
+    parser.add_argument("--no-plot", action="store_true", help="no picture, and vLLM's /metrics is not sampled")
+    parser.add_argument("--plot-dir", type=Path, default=None, help="where the PNGs go (default: img/ beside --out)")
+    parser.add_argument(
+        "--sample-interval", type=float, default=0.1, help="seconds between samples of vLLM's /metrics (0.1)"
+    )
     args = parser.parse_args(argv)
+    skipped = "--no-plot" if args.no_plot else unavailable()
+    if skipped:
+        print(f"flood: no picture ({skipped})", file=sys.stderr)
+    opts = RunOptions(args.timeout, args.stream, None if skipped else args.sample_interval)
 
     targets = targets_from(args.policy, args.gateway_arg)
     logs = Path(tempfile.mkdtemp(prefix="flood-logs-"))
@@ -317,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     gateway = gateways.get(target.name)
                     base = gateway.url if gateway else vllm.url
                     print(f"flood: run {rep + 1}/{args.repeat} {workload.name} -> {target.name}", file=sys.stderr)
-                    column = run_column(vllm, target, workload, base, eos_id, args.timeout)
+                    column = run_column(vllm, target, workload, base, eos_id, opts)
                     runs.setdefault((workload.name, target.name), []).append(column)
                     print(markdown_table([column]), file=sys.stderr)
     finally:
@@ -333,12 +309,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             median.all_failed = sum(c.failed for c in done)
             results[workload.name].append(median)
 
-    report = render_report(argv, workloads, results, targets, version)
+    pictures = {} if skipped else draw_pictures(args.out, args.plot_dir, workloads, results, args.repeat)
+    report = render_report(argv, workloads, results, targets, version, pictures)
     print(report)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report, encoding="utf-8")
     print(f"flood: written to {args.out}", file=sys.stderr)
     return 0
+
+
+def draw_pictures(
+    out: Path, plot_dir: Path | None, workloads: Sequence[Workload], results: dict[str, list[Column]], repeat: int
+) -> dict[str, str]:
+    """One PNG per workload; returns each one's path relative to the report, for its markdown link."""
+    folder = plot_dir or out.parent / "img"
+    links: dict[str, str] = {}
+    for w in workloads:
+        columns = results[w.name]
+        path = folder / (f"{out.stem}.png" if len(workloads) == 1 else f"{out.stem}-{w.name}.png")
+        streamed = any(o.ttft_s is not None for c in columns for o in c.outcomes)
+        which = "one run" if repeat == 1 else f"the median run of {repeat}"
+        title = (
+            f"Flood '{w.name}': {len(w.requests)} concurrent requests into a 4,096-token KV cache, "
+            f"vLLM direct vs. vllm-guard\n(vLLM CPU build, tiny model; {which} per column)"
+        )
+        bars = [
+            ColumnBars(
+                c.target.name,
+                c.tokens_per_s(),
+                c.ttft(0.5) if streamed else c.latency(0.5),
+                c.ttft(0.99) if streamed else c.latency(0.99),
+            )
+            for c in columns
+        ]
+        wait = "time to first token" if streamed else "end-to-end latency"
+        flood_figure(path, title, [c.timeline() for c in columns], bars, wait)
+        print(f"flood: picture written to {path}", file=sys.stderr)
+        links[w.name] = os.path.relpath(path, out.parent)
+    return links
 
 
 def render_report(
@@ -347,6 +355,7 @@ def render_report(
     results: dict[str, list[Column]],
     targets: Sequence[Target],
     vllm_version: str,
+    pictures: dict[str, str],
 ) -> str:
     shown = " ".join(sys.argv[1:] if argv is None else argv)
     command = f".venv/bin/python bench/flood.py {shown}".rstrip()
@@ -371,6 +380,15 @@ def render_report(
     ]
     for w in workloads:
         parts += ["", f"## {w.name}", "", w.description + ".", "", markdown_table(results[w.name])]
+        if w.name in pictures:
+            parts += [
+                "",
+                f"![{w.name}: vLLM's KV usage and preemptions over time, throughput and waits per column]"
+                f"({pictures[w.name]})",
+                "",
+                "The picture is of the run each column shows: vLLM's `vllm:kv_cache_usage_perc` and "
+                "`vllm:num_preemptions_total` sampled during the flood and until vLLM was idle again.",
+            ]
         errors = failures(results[w.name])
         if errors:
             parts += ["", "Failures (distinct):", "", *(f"- {e}" for e in errors[:10])]

@@ -7,7 +7,9 @@ Measures, each as direct and through the gateway:
 - throughput at concurrency 64 (non-streaming) and its p99;
 - streams of 20 chunks per second at concurrency 16 (per-chunk relay overhead);
 - counting cost of 1K / 8K / 32K-token chats: naive apply_chat_template vs the gateway's counter, cold and
-  with the conversation's earlier turns already counted.
+  with the conversation's earlier turns already counted;
+- the live page's cost: each gateway load phase again with /guard/ui/data polled once a second (as an open
+  page does), the ratio to the phase without, and what the background sampler takes per second.
 The simulator and the load generator (wrk when installed, else a Python aiohttp client) share CPU 0;
 the gateway runs alone on CPU 1, as a user would run it beside an engine.
 """
@@ -23,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -132,6 +135,50 @@ class Load:
         return self.requests / self.seconds
 
 
+@dataclass
+class PagePoll:
+    """What polling the live page's data once a second saw: the data route's answer times, the sampler's cost."""
+
+    polls: int = 0
+    answer_ms: float = 0.0
+    sampler_ms: list[float] | None = None
+
+
+@contextmanager
+def page_open(gateway_url: str) -> Iterator[PagePoll]:
+    """Poll /guard/ui/data once a second in a thread, asking only for new samples, as the page does."""
+    import httpx
+
+    seen = PagePoll(sampler_ms=[])
+    stop = threading.Event()
+
+    def poll() -> None:
+        last = 0
+        with httpx.Client(timeout=5) as client:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                body = client.get(gateway_url + "/guard/ui/data", params={"since": last} if last else None).json()
+                seen.answer_ms += (time.perf_counter() - t0) * 1000
+                seen.polls += 1
+                last = body["last_id"]
+                if body.get("sampler_ms") is not None and seen.sampler_ms is not None:
+                    seen.sampler_ms.append(body["sampler_ms"])
+                stop.wait(1.0)
+
+    thread = threading.Thread(target=poll, name="page-poll", daemon=True)
+    thread.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def compared(measure: str, without: float, with_page: float, fmt: str) -> tuple[str, str, str, str]:
+    ratio = f"{with_page / without:.2f}x" if without else ""
+    return measure, format(without, fmt), format(with_page, fmt), ratio
+
+
 def load(url: str, body: dict[str, Any], concurrency: int, seconds: float) -> Load:
     if shutil.which("wrk"):
         return _wrk(url, body, concurrency, seconds)
@@ -239,6 +286,15 @@ def main() -> int:
     ]
     loader = "wrk" if shutil.which("wrk") else "python aiohttp client (install wrk for steadier figures)"
     rows: list[tuple[str, str, str, str]] = []
+    page_rows: list[tuple[str, str, str, str]] = []
+    polled: list[PagePoll] = []
+
+    def with_page(path: str, body: dict[str, Any], concurrency: int) -> Load:
+        with page_open(gw_url) as seen:
+            result = load(gw_url + path, body, concurrency, args.seconds)
+        polled.append(seen)
+        return result
+
     with (
         process([*pinned(0), py, "-c", SIM_CODE.format(root=str(ROOT), port=sim_port)], sim_url + "/health"),
         process(gateway_cmd, gw_url + "/health"),
@@ -247,6 +303,9 @@ def main() -> int:
             load(sim_url + path, body, 4, 1.0)  # warm-up: connections, caches, JIT-free but lazy imports
             load(gw_url + path, body, 4, 1.0)
         d1, g1 = (load(u + "/v1/chat/completions", CHAT, 1, args.seconds) for u in (sim_url, gw_url))
+        p1 = with_page("/v1/chat/completions", CHAT, 1)
+        page_rows.append(compared("latency c=1 p50 (ms)", g1.p50_ms, p1.p50_ms, ".2f"))
+        page_rows.append(compared("latency c=1 p99 (ms)", g1.p99_ms, p1.p99_ms, ".2f"))
         rows.append(
             (
                 "latency c=1 p50 (ms)",
@@ -264,6 +323,8 @@ def main() -> int:
             )
         )
         d64, g64 = (load(u + "/v1/chat/completions", CHAT, 64, args.seconds) for u in (sim_url, gw_url))
+        p64 = with_page("/v1/chat/completions", CHAT, 64)
+        page_rows.append(compared("req/s c=64", g64.rps, p64.rps, ".0f"))
         rows.append(
             (
                 "req/s c=64",
@@ -274,6 +335,8 @@ def main() -> int:
         )
         rows.append(("p99 c=64 (ms)", f"{d64.p99_ms:.1f}", f"{g64.p99_ms:.1f}", "target <= 60 ms"))
         ds, gs = (load(u + "/v1/chat/completions", STREAM, 16, args.seconds) for u in (sim_url, gw_url))
+        ps = with_page("/v1/chat/completions", STREAM, 16)
+        page_rows.append(compared("streams/s (20 chunks) c=16", gs.rps, ps.rps, ".0f"))
         rows.append(
             (
                 "streams/s (20 chunks) c=16",
@@ -284,7 +347,7 @@ def main() -> int:
         )
         per_chunk = (1000 / gs.rps - 1000 / ds.rps) * 16 / 22 if gs.rps and ds.rps else 0.0
         rows.append(("added time per chunk (ms, c=16)", "", "", f"{per_chunk:.3f}"))
-        errors = sum(x.errors for x in (d1, g1, d64, g64, ds, gs))
+        errors = sum(x.errors for x in (d1, g1, d64, g64, ds, gs, p1, p64, ps))
         rows.append(("non-200 answers", "", "", str(errors)))
 
     counting = bench_counting(load_tokenizer(str(tok_dir)))
@@ -308,6 +371,23 @@ def main() -> int:
             f"| {int(f['tokens'])} ({size} target) | {f['naive_ms']:.1f} | {f['cold_ms']:.1f} | "
             f"{f['prefix_ms']:.1f} | {f['warm_ms']:.2f} |"
         )
+    polls = sum(p.polls for p in polled)
+    sampler = [ms for p in polled for ms in (p.sampler_ms or [])]
+    lines += [
+        "",
+        "The live page: the gateway's phases again with /guard/ui/data polled once a second (an open page).",
+        "",
+        "| measure | gateway | gateway, page open | ratio |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in page_rows]
+    if polls and sampler:
+        lines += [
+            "",
+            f"data route: {polls} polls, {sum(p.answer_ms for p in polled) / polls:.2f} ms per answer on average; "
+            f"background sampler: {sum(sampler) / len(sampler):.2f} ms per one-second sample on average "
+            f"(max {max(sampler):.2f} ms), {sum(sampler) / len(sampler) / 10:.3f}% of one core",
+        ]
     text = "\n".join(lines)
     print(text)
     if args.markdown:

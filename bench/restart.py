@@ -6,7 +6,11 @@ Measures, in one run:
   3. requests lost while that happens (target 0): clients behave like the OpenAI SDKs, retrying 429/503
      after Retry-After, so a request is lost only when it ends in any other error or runs out of time.
 
-    python bench/restart.py [--clients 2] [--kill engine-core|api-server] [--json]
+Unless ``--no-plot``, it also draws the run (``--plot PATH``, default restart.png in the logs directory):
+requests completed per second and each request's latency at the time it was sent, with the kill and the time
+to the first success marked. That needs the ``bench`` extra (matplotlib); without it the picture is skipped.
+
+    python bench/restart.py [--clients 2] [--kill engine-core|api-server] [--json] [--plot docs/img/restart.png]
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.plots import RequestMark, restart_figure, unavailable  # noqa: E402
 from tests.e2e.servers import (  # noqa: E402
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_MODEL_LEN,
@@ -157,6 +162,7 @@ async def crash_under_load(gateway: ServerProcess, clients: int, which: str) -> 
     load = Load(gateway.url)
     timeout = aiohttp.ClientTimeout(total=REQUEST_DEADLINE + 60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+        load_started = time.monotonic()
         tasks = [asyncio.create_task(load.client(session)) for _ in range(clients)]
         await asyncio.sleep(5.0)  # warm, steady load before the crash
         before = len(load.outcomes)
@@ -181,6 +187,14 @@ async def crash_under_load(gateway: ServerProcess, clients: int, which: str) -> 
         "restarts": after["engine"]["restarts"],
         "last_restart_reason": after["engine"]["last_restart_reason"],
         "engine_startup_seconds": after["engine"].get("startup_seconds"),
+        # Seconds since the load started: the picture's time axis.
+        "timeline": {
+            "killed_at": killed_at - load_started,
+            "requests": [
+                [o.started - load_started, o.ended - load_started, o.status == 200, o.attempts > 1]
+                for o in load.outcomes
+            ],
+        },
     }
 
 
@@ -190,8 +204,11 @@ def main() -> int:
     p.add_argument("--kill", choices=("engine-core", "api-server"), default="engine-core")
     p.add_argument("--logs", type=Path, default=None, help="directory for the server logs")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--plot", type=Path, default=None, help="where the PNG goes (default: restart.png in the logs)")
+    p.add_argument("--no-plot", action="store_true", help="draw no picture")
     args = p.parse_args()
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-restart-"))
+    skipped = "--no-plot" if args.no_plot else unavailable()
     model = ensure_tiny_model(DEFAULT_MAX_MODEL_LEN)
 
     bare = bare_startup(model, logs)
@@ -207,8 +224,9 @@ def main() -> int:
     result |= {"bare_startup_seconds": bare, "managed_startup_seconds": managed_start, "logs": str(logs)}
     rec = result["recovery_seconds"]
     result["recovery_over_bare_startup"] = rec / bare if rec is not None else None
+    result["plot"] = None if skipped else str(draw(result, args.plot or logs / "restart.png", args.kill, args.clients))
     if args.json:
-        print(json.dumps(result, indent=2))
+        print(json.dumps({k: v for k, v in result.items() if k != "timeline"}, indent=2))  # the picture has it
         return 0
     print(f"vLLM bare start-up:                {bare:6.1f} s")
     print(f"managed start-up (gateway ready):  {managed_start:6.1f} s")
@@ -225,8 +243,23 @@ def main() -> int:
           f"503/429 answers retried: {result['retried_503_or_429']}")
     for example in result["lost_examples"]:
         print(f"  lost: {example}")
+    print(f"picture: {result['plot'] or f'skipped ({skipped})'}")
     print(f"logs: {logs}")
     return 0 if rec is not None and result["lost"] == 0 and result["restarts"] >= 1 else 1
+
+
+def draw(result: dict[str, Any], path: Path, which: str, clients: int) -> Path:
+    timeline = result["timeline"]
+    killed_at = float(timeline["killed_at"])
+    rec = result["recovery_seconds"]
+    marks = [RequestMark(float(s), float(e), bool(ok), bool(retried)) for s, e, ok, retried in timeline["requests"]]
+    title = (
+        f"Managed mode: SIGKILL of vLLM's {which} under {clients} clients' light load\n"
+        f"(vLLM CPU build, tiny model; back after {rec:.1f} s, {result['lost']} requests lost)"
+        if rec is not None
+        else f"Managed mode: SIGKILL of vLLM's {which}: no success within 600 s"
+    )
+    return restart_figure(path, title, marks, killed_at, None if rec is None else killed_at + float(rec))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,15 +14,20 @@ import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.websockets import WebSocketClose
 
-from . import __version__, director
+from . import __version__, director, passthrough, ui
 from .admission import Admission
+from .auth import authenticate
 from .config import Settings
-from .director import Parts
 from .engine import EngineSnapshot, EngineView
-from .errors import GatewayError, InvalidRequest, install_handlers, internal_error_response
+from .errors import GatewayError, InvalidRequest, error_response, install_handlers, internal_error_response
+from .history import History, Sampler
 from .metrics import Metrics
 from .models import Models
+from .parts import Parts
+from .redact import redact_url
+from .routing import Route, RouteTable
 from .upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -41,29 +46,50 @@ def create_app(settings: Settings) -> FastAPI:
         openapi_url=None,
     )
     install_handlers(app)
-    add_routes(app)
-    app.add_middleware(GuardedFastPath)
+    table = RouteTable(settings.passthrough_route)
+    add_routes(app, table)
+    app.add_middleware(GuardedFastPath, table=table)
     return app
 
 
 class GuardedFastPath:
-    """Serves the two guarded routes straight from the ASGI scope, ahead of FastAPI's routing, dependency and
-    exception layers, which measured ~30% of the gateway's CPU per request for endpoints that read the raw body
-    and turn every error into a response themselves (director.guarded). Everything else goes to FastAPI."""
+    """Routes every request by its canonical path (routing.py), before anything else reads the path.
 
-    ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+    Refused and unknown paths get 404, known paths with another method 405. The guarded routes are served
+    straight from the ASGI scope, ahead of FastAPI's routing, dependency and exception layers, which measured
+    ~30% of the gateway's CPU per request for endpoints that read the raw body and turn every error into a
+    response themselves (director.guarded). The rest go to FastAPI with the path replaced by the canonical
+    one, and the query string kept only where it is forwarded (the pass-through routes).
+    """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, table: RouteTable) -> None:
         self.app = app
+        self.table = table
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self.ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if route is None:
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":  # vLLM's realtime audio generates unguarded: never served
+                await WebSocketClose()(scope, receive, send)
+                return
             await self.app(scope, receive, send)
             return
+        try:
+            route = self.table.resolve(scope["method"], scope.get("raw_path"), scope["path"])
+        except GatewayError as exc:
+            await error_response(exc)(scope, receive, send)
+            return
+        if route.kind == "guarded":
+            await self._guarded(route, scope, receive, send)
+            return
+        canonical = {**scope, "path": route.path, "raw_path": route.path.encode()}
+        if route.kind != "passthrough" and not route.query:
+            canonical["query_string"] = b""
+        await self.app(canonical, receive, send)
+
+    async def _guarded(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
         request = Request(scope, receive, send)
         try:
-            response = await director.guarded(scope["app"].state.parts, request, route)
+            response = await director.guarded(scope["app"].state.parts, request, route.name, route.path)
         except Exception:
             response = internal_error_response(request)
         await response(scope, receive, send)
@@ -88,6 +114,7 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
     admission = Admission(settings, engine, metrics)
     stack.push_async_callback(admission.close)
     models = Models(settings, upstream, metrics, executor)
+    stack.push_async_callback(models.templates.close)
     parts = Parts(settings, metrics, upstream, models, admission, supervisor, engine)
 
     refreshing: set[asyncio.Task[None]] = set()
@@ -115,9 +142,15 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
         with contextlib.suppress(GatewayError):
             await models.refresh()
         if models.cached is None:
-            log.warning("the upstream %s is not reachable yet; requests get 503 until it is", settings.upstream)
+            log.warning(
+                "the upstream %s is not reachable yet; requests get 503 until it is", redact_url(settings.upstream)
+            )
     await engine.start()
     stack.push_async_callback(engine.stop)
+    # The live page's history: one sample a second in the background, nothing on the request path.
+    parts.sampler = Sampler(History(), metrics, admission.status, lambda: upstream_status(parts))
+    await parts.sampler.start()
+    stack.push_async_callback(parts.sampler.stop)
     if models.cached is not None:
         # Load the tokenizer now rather than on the first request.
         with contextlib.suppress(GatewayError):
@@ -167,7 +200,7 @@ def upstream_status(parts: Parts) -> dict[str, Any]:
         state = "ready" if info is not None and fresh else "down"
         restarts, reason, url = 0, None, parts.settings.upstream
     return {
-        "url": url,
+        "url": redact_url(url),
         "state": state,
         "max_model_len": info.max_model_len if info else None,
         "effective_max_model_len": _effective(parts),
@@ -184,18 +217,17 @@ def _effective(parts: Parts) -> int | None:
     return effective_max_model_len(info.max_model_len if info else None, parts.settings.max_model_len)
 
 
-def add_routes(app: FastAPI) -> None:
+def add_routes(app: FastAPI, table: RouteTable) -> None:
+    """The gateway's own and pass-through routes of ``table``, at their canonical paths (GuardedFastPath
+    serves the guarded ones and has already refused everything else)."""
+
     def parts_of(request: Request) -> Parts:
         parts: Parts = request.app.state.parts
         return parts
 
-    # POST /v1/chat/completions and /v1/completions are served by GuardedFastPath.
+    async def list_models(request: Request) -> Response:
+        return await passthrough.list_models(parts_of(request), request)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await director.list_models(parts_of(request), request)
-
-    @app.get("/health")
     async def health(request: Request) -> Response:
         parts = parts_of(request)
         up = upstream_status(parts)
@@ -203,41 +235,51 @@ def add_routes(app: FastAPI) -> None:
         body = {"status": "ok" if ready else "unavailable", "gateway": "ok", "upstream": up}
         return Response(orjson.dumps(body), status_code=200 if ready else 503, media_type="application/json")
 
-    @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         parts = parts_of(request)
         parts.admission.status()  # refreshes the KV and queue gauges
         data, ctype = parts.metrics.render()
         return Response(data, media_type=ctype)
 
-    @app.get("/guard/status")
     async def status(request: Request) -> Response:
         parts = parts_of(request)
-        director.authenticate(parts, request)
+        authenticate(parts.settings, request)
         up = upstream_status(parts)
         body = {**parts.admission.status(), "upstream": up, "restarts": up["restarts"]}
         if parts.supervisor is not None:
             body["engine"] = parts.supervisor.status()  # type: ignore[attr-defined]
         return Response(orjson.dumps(body), media_type="application/json")
 
-    @app.post("/guard/restart")
     async def restart(request: Request) -> Response:
         parts = parts_of(request)
-        director.authenticate(parts, request, admin=True)
+        authenticate(parts.settings, request, admin=True)
         sup: Any = parts.supervisor
         if sup is None:
             raise InvalidRequest("Restart needs managed mode (--managed); this gateway guards an external engine.")
         asyncio.get_running_loop().create_task(sup.restart("manual"))
         return Response(orjson.dumps({"restarting": True}), status_code=202, media_type="application/json")
 
-    @app.api_route("/v1/{path:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
-    async def v1_other(request: Request, path: str) -> Response:
-        return await director.passthrough(parts_of(request), request, "/v1/" + path)
+    html = ui.load_page()
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await director.passthrough(parts_of(request), request, "/tokenize")
+    async def ui_page(request: Request) -> Response:
+        return ui.page(html)
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await director.passthrough(parts_of(request), request, "/detokenize")
+    async def ui_data(request: Request) -> Response:
+        parts = parts_of(request)
+        return ui.data(parts.settings, request, parts.sampler, upstream_status(parts))
+
+    def forwarding(path: str) -> Callable[[Request], Awaitable[Response]]:
+        async def forward(request: Request) -> Response:
+            return await passthrough.passthrough(parts_of(request), request, path)
+
+        return forward
+
+    handlers = {
+        "models": list_models, "health": health, "metrics": metrics, "status": status, "restart": restart,
+        "ui": ui_page, "ui_data": ui_data,
+    }
+    for route in table.routes():
+        if route.kind == "gateway":
+            app.add_api_route(route.path, handlers[route.name], methods=[route.method], name=route.name)
+        elif route.kind == "passthrough":
+            app.add_api_route(route.path, forwarding(route.path), methods=[route.method], name=route.path)

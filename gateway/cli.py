@@ -7,6 +7,7 @@ Every Settings field is a flag of ``serve`` (``--kv-target``), an environment va
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -126,33 +127,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
-    import uvicorn
-
     from .app import create_app
+    from .redact import SecretRedactor, install_log_redaction
+    from .server import build_server
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    config: dict[str, Any] = {
-        "host": settings.host, "port": settings.port, "log_level": settings.log_level, "access_log": False,
-        "timeout_graceful_shutdown": 10, "lifespan": "on",
-        # The gateway does not read forwarded-for headers nor needs Server/Date headers; each cost per request.
-        "proxy_headers": False, "server_header": False, "date_header": False,
-    }
-    try:
-        import uvloop  # noqa: F401
-
-        config["loop"] = "uvloop"
-    except ImportError:
-        config["loop"] = "asyncio"
-    try:
-        import httptools  # noqa: F401
-
-        config["http"] = "httptools"
-    except ImportError:
-        config["http"] = "h11"
-    uvicorn.run(create_app(settings), **config)
-    return 0
+    # Every record, from any logger (uvicorn's, vLLM's relayed lines), has its secrets replaced before it is
+    # handled: the places that show URLs and keys redact them already; this catches what they miss.
+    install_log_redaction(SecretRedactor.for_settings(settings))
+    server = build_server(create_app(settings), settings)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0 if server.started else 3
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -16,18 +16,25 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from .redact import redact_url, url_has_credentials
+
 ENV_PREFIX = "VLLM_GUARD_"
 
 PromptOverflowPolicy = Literal["reject", "truncate"]
 MaxTokensOverflowPolicy = Literal["clamp", "reject"]
 AdmissionPolicyName = Literal["strict", "adaptive"]
+# vLLM's routes that generate outside the guard's counting; --passthrough-route may name only these.
+GENERATING_ROUTES = (
+    "/v1/messages", "/invocations", "/inference/v1/generate", "/v1/audio/transcriptions", "/v1/audio/translations",
+)
 
 
 class Settings(BaseSettings):
     """The whole configuration. Field descriptions double as ``--help`` texts."""
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=True, populate_by_name=True
+        env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=True, populate_by_name=True,
+        hide_input_in_errors=True,  # a validation error must not print the keys and URLs it was given
     )
 
     # -- where things are -------------------------------------------------------------------------
@@ -106,6 +113,24 @@ class Settings(BaseSettings):
     )
     upstream_api_key: str | None = Field(None, description="API key sent to the upstream vLLM.")
 
+    # -- routes -----------------------------------------------------------------------------------
+    passthrough_route: list[str] = Field(
+        default_factory=list,
+        description="A vLLM generating route to forward unguarded (repeatable), e.g. /v1/messages; "
+        "unnamed ones are 404. One of: " + ", ".join(GENERATING_ROUTES) + ".",
+    )
+
+    @field_validator("passthrough_route")
+    @classmethod
+    def _known_generating_routes(cls, v: list[str]) -> list[str]:
+        for path in v:
+            if path not in GENERATING_ROUTES:
+                raise ValueError(
+                    f"{path!r} is not a vLLM generating route the gateway can pass through; "
+                    f"choose from {', '.join(GENERATING_ROUTES)}"
+                )
+        return list(dict.fromkeys(v))
+
     # -- HTTP limits and timeouts -----------------------------------------------------------------
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="Largest request body accepted; larger gets 413."
@@ -119,6 +144,70 @@ class Settings(BaseSettings):
     )
     upstream_connections: int = Field(
         512, ge=1, description="Most pooled connections to the upstream."
+    )
+
+    # -- connection limits ------------------------------------------------------------------------
+    max_header_bytes: int = Field(
+        32 * 1024, ge=1024, description="Largest request line plus headers, in bytes; larger gets 431."
+    )
+    max_headers: int = Field(100, ge=1, description="Most headers in one request; more gets 431.")
+    header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a request line and its headers may take from their first byte; "
+        "slower gets 408 and the connection is closed."
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="Seconds a connection may stay idle (just opened, or after a response) before "
+        "it is closed."
+    )
+    max_connections: int = Field(
+        2048, ge=1, description="Most client connections open at once; one more gets 503 with Retry-After and "
+        "is closed."
+    )
+    body_timeout: float = Field(
+        30.0, gt=0, description="Seconds a request body may take to arrive in total; slower gets 408."
+    )
+    min_body_rate: float = Field(
+        1024.0, ge=0, description="Slowest request body accepted after --body-rate-grace, in bytes per second; "
+        "slower gets 408 (0: no minimum)."
+    )
+    body_rate_grace: float = Field(
+        5.0, ge=0, description="Seconds a request body may take before --min-body-rate applies."
+    )
+
+    # -- request templates ------------------------------------------------------------------------
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Accept a chat_template sent in a request (as vLLM's flag of the same name; the engine "
+        "needs it too). Off: such requests get 400. On: the gateway renders them in a sandboxed worker "
+        "process bounded by the --request-template-* limits.",
+    )
+    request_template_timeout: float = Field(
+        1.0, gt=0, le=60, description="Seconds a request's chat_template may take to render; longer gets 400."
+    )
+    request_template_max_chars: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Most characters a request's chat_template may render; more gets 400.",
+    )
+    request_template_memory_mib: int = Field(
+        512,
+        ge=64,
+        description="Memory (MiB of address space) a request template's render may add to its worker process; "
+        "more gets 400.",
+    )
+    request_template_workers: int = Field(
+        1,
+        ge=1,
+        le=32,
+        description="Worker processes rendering request templates; further renders queue for one.",
+    )
+
+    # -- upstream streams -------------------------------------------------------------------------
+    max_stream_event_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Largest single server-sent event accepted from the upstream (streams are relayed one whole "
+        "event per write, so an event is held until its end); a larger one ends the stream with an error event.",
     )
 
     # -- managed mode -----------------------------------------------------------------------------
@@ -156,7 +245,7 @@ class Settings(BaseSettings):
     @classmethod
     def _strip_slash(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
-            raise ValueError(f"upstream must be an http(s) URL, got {v!r}")
+            raise ValueError(f"upstream must be an http(s) URL, got {redact_url(v)!r}")
         return v.rstrip("/")
 
     @model_validator(mode="after")
@@ -174,6 +263,9 @@ class Settings(BaseSettings):
             )
         for key in self.api_key:
             _split_key(key)
+        if self.upstream_api_key and not self.managed and url_has_credentials(self.upstream):
+            # Both would be the one Authorization header (Basic from the URL, Bearer from the key).
+            raise ValueError("--upstream carries credentials and --upstream-api-key is set: give only one")
         return self
 
     @classmethod

@@ -1,10 +1,17 @@
 """The request path, stage by stage.
 
-``guarded`` is the whole life of a chat or completion request:
-read -> parse -> count -> prompt policy -> max_tokens policy -> KV fit -> admit (queue) -> forward or
-stream -> release. Every stage raises ``GatewayError``; errors.py turns them into responses. The KV
-reservation is released exactly once whatever happens: normal end, upstream failure, client disconnect
-(while queued, waiting for the upstream, or mid-stream), timeout, cancellation.
+``guarded`` is the whole life of a request on a route where the engine counts tokens against the context:
+read -> parse -> count -> prompt policy -> output policy -> KV fit -> admit (queue) -> forward or stream ->
+release. Two families share it, each with its own parsing and counting (the tables below):
+
+- generating (chat, completions, responses): prompts are counted as the engine renders them, truncated or
+  rejected by the prompt policy, and ``max_tokens`` (``max_output_tokens``) is bounded and booked;
+- pooling (embeddings, pooling, classify, score, rerank): each input is one engine prompt that must fit the
+  context; only prompt blocks are booked, one sequence per prompt, and nothing is generated.
+
+Every stage raises ``GatewayError``; errors.py turns them into responses. The KV reservation is released
+exactly once whatever happens: normal end, upstream failure, client disconnect (while queued, waiting for
+the upstream, or mid-stream), timeout, cancellation.
 """
 
 from __future__ import annotations
@@ -15,164 +22,96 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import orjson
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
-from .admission import Admission, Reservation
+from . import jsonio, pooling, responses
+from .admission import Admission
+from .auth import authenticate
+from .body import BodyLimits, DisconnectWatcher, read_body
 from .config import PromptOverflowPolicy, Settings
-from .engine import EngineView
 from .errors import (
-    AuthenticationFailed,
-    BadUpstreamResponse,
     GatewayError,
     InvalidRequest,
-    PayloadTooLarge,
+    KVBudgetExceeded,
+    MaxTokensExceeded,
     UpstreamError,
     UpstreamUnavailable,
     error_response,
-    sse_error_event,
-    upstream_error_from,
 )
-from .limits import Limits, decide_max_tokens, decide_prompt, effective_max_model_len
-from .metrics import Metrics
-from .models import Models, parse_models
+from .limits import Limits, MaxTokensDecision, decide_max_tokens, decide_prompt, effective_max_model_len
+from .parts import Outcome, Parts
+from .pooling import PoolingRequest
 from .protocol import (
     GuardedRequest,
     Prompt,
     decode_json,
     parse_chat,
     parse_completion,
+    parse_responses,
     set_max_tokens,
     set_prompts,
 )
-from .upstream import Upstream, UpstreamStream, response_headers
+from .relay import forward, open_upstream, relay_stream
 from .vllm_log import engine_death_reply
 
 log = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
-
-class EngineState(Protocol):
-    """What the request path needs of a managed engine (the supervisor)."""
-
-    state: str
-
-    def retry_after(self) -> float: ...
-
-    async def failure_noticed(self) -> bool: ...
+# The routes' request parsers, by family (route names: routing.GUARDED_ROUTES).
+GENERATING: dict[str, Callable[[dict[str, Any]], GuardedRequest]] = {
+    "chat": parse_chat,
+    "completions": parse_completion,
+    "responses": parse_responses,
+}
+POOLING: dict[str, Callable[[dict[str, Any]], PoolingRequest]] = pooling.PARSERS
 
 
-@dataclass(slots=True)
-class Parts:
-    settings: Settings
-    metrics: Metrics
-    upstream: Upstream
-    models: Models
-    admission: Admission
-    supervisor: EngineState | None = None
-    engine: EngineView | None = None
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """What a request reserves: ``n`` sequences of ``prompt_tokens`` + ``max_tokens`` tokens each.
 
+    ``learns_output``: whether its output length teaches the adaptive policy (a pooling request has none).
+    """
 
-@dataclass(slots=True)
-class Outcome:
-    """What the gateway did to a request, reported in x-guard-* headers."""
-
-    request_id: str
-    prompt_tokens: int = 0
-    max_tokens: int = 0
-    truncated_tokens: int = 0
-    queue_ms: float = 0.0
-
-    def headers(self) -> dict[str, str]:
-        h = {
-            "x-request-id": self.request_id,
-            "x-guard-prompt-tokens": str(self.prompt_tokens),
-            "x-guard-max-tokens": str(self.max_tokens),
-            "x-guard-queue-ms": f"{self.queue_ms:.1f}",
-        }
-        if self.truncated_tokens:
-            h["x-guard-truncated-tokens"] = str(self.truncated_tokens)
-        return h
+    prompt_tokens: int
+    max_tokens: int
+    n: int
+    stream: bool = False
+    learns_output: bool = True
 
 
 # -- the request path -----------------------------------------------------------------------------
-async def guarded(parts: Parts, request: Request, route: str) -> Response:
+async def guarded(parts: Parts, request: Request, route: str, path: str) -> Response:
+    """``route`` names the request's kind; ``path`` is the canonical upstream path it goes to."""
     s, metrics = parts.settings, parts.metrics
     out = Outcome(request_id(request))
     watcher = DisconnectWatcher(request)
     try:
-        key = authenticate(parts, request)
-        raw = await read_body(request, s.max_body_bytes)
-        req = parse_chat(decode_json(raw)) if route == "chat" else parse_completion(decode_json(raw))
+        key = authenticate(s, request)
+        raw = await read_body(request, BodyLimits.of(s))
+        req = parse(route, decode_json(raw))
         refuse_while_starting(parts)
         watcher.start()
         try:
             info = await parts.models.info()
             parts.models.check_model(req.model, info)
             limit = effective_max_model_len(info.max_model_len, s.max_model_len)
-            if limit is None:
+            if limit is None or info.max_model_len is None:
                 raise UpstreamUnavailable("The upstream does not report max_model_len yet.", retry_after=5)
             limits = Limits(limit, s.max_prompt_tokens, s.max_output_tokens, s.min_output_tokens)
-
-            counts = await count(parts, req)
-            counts = await apply_prompt_policy(parts, req, counts, limits, prompt_policy(request, s), out)
-            out.prompt_tokens = sum(counts)
-
-            decision = decide_max_tokens(max(counts), req.max_tokens, limits, s.on_max_tokens_overflow)
-            sequences = req.n * len(counts)
-            # Each sequence is charged for the longest prompt: an upper bound that stays tight.
-            max_tokens = parts.admission.fit(
-                max(counts), decision.max_tokens, sequences, clamp=s.on_max_tokens_overflow == "clamp"
-            )
-            metrics.record_max_tokens(route, max_tokens, decision.clamped or max_tokens != decision.max_tokens)
-            set_max_tokens(req, max_tokens)
-            out.max_tokens = max_tokens
-            body = orjson.dumps(req.body)
-
-            prio = priority(parts, request, key)
-            for attempt in (1, 2):
-                reservation = parts.admission.reservation(
-                    prompt_tokens=max(counts), max_tokens=max_tokens, n=sequences, priority=prio,
-                    request_id=out.request_id,
-                )
-                await reservation.__aenter__()  # may wait in the queue, or shed with 429/503
-                relay_owns_it = False
-                try:
-                    out.queue_ms += reservation.queue_ms
-                    try:
-                        if not req.stream:
-                            return await forward(parts, route, body, out, reservation)
-                        stream = await open_upstream(parts, route, body, out.request_id)
-                    except (UpstreamUnavailable, UpstreamError) as exc:
-                        if not engine_failed(parts, exc):
-                            raise
-                        reservation.release(completed=False)
-                        if attempt == 2:
-                            raise engine_failure(parts) from exc
-                        # The managed engine died under this request before anything reached the client:
-                        # wait for the restart in the queue (admission is paused) and send it once more.
-                        log.warning("request %s: the engine failed under it; retrying after the restart",
-                                    out.request_id)
-                        if parts.supervisor is not None:
-                            # Until the supervisor has seen the death, a retry would hit the dead engine.
-                            await parts.supervisor.failure_noticed()
-                        continue
-                    # From here the relay owns the reservation and the stream, and the streaming response
-                    # watches the client itself.
-                    watcher.stop()
-                    relay_owns_it = True
-                    return relay_stream(parts, route, stream, reservation, out)
-                finally:
-                    if not relay_owns_it:
-                        reservation.release()
-            raise AssertionError("unreachable: the second attempt returns or raises")
+            policy = prompt_policy(request, s)
+            if isinstance(req, PoolingRequest):
+                booking = await plan_pooling(parts, req, limits, policy, info.max_model_len, out)
+            else:
+                booking = await plan_generation(parts, req, limits, policy, out)
+            body = jsonio.dumps(req.body)
+            return await dispatch(parts, route, path, body, booking, priority(parts, request, key), out, watcher)
         finally:
             watcher.stop()
     except GatewayError as exc:
@@ -194,11 +133,79 @@ async def guarded(parts: Parts, request: Request, route: str) -> Response:
         return Response(status_code=499)
 
 
+def parse(route: str, body: dict[str, Any]) -> GuardedRequest | PoolingRequest:
+    generating = GENERATING.get(route)
+    return generating(body) if generating is not None else POOLING[route](body)
+
+
+async def dispatch(
+    parts: Parts, route: str, path: str, body: bytes, booking: Booking, prio: int, out: Outcome,
+    watcher: DisconnectWatcher,
+) -> Response:
+    """Admit (reserve, or queue, or shed), then forward or stream; release on every path but a live stream,
+    whose relay releases it. A managed engine that dies under the request gets it once more after its restart."""
+    for attempt in (1, 2):
+        reservation = parts.admission.reservation(
+            prompt_tokens=booking.prompt_tokens, max_tokens=booking.max_tokens, n=booking.n, priority=prio,
+            request_id=out.request_id,
+        )
+        await reservation.__aenter__()  # may wait in the queue, or shed with 429/503
+        relay_owns_it = False
+        try:
+            out.queue_ms += reservation.queue_ms
+            try:
+                if not booking.stream:
+                    return await forward(parts, route, path, body, out, reservation)
+                stream = await open_upstream(parts, path, body, out.request_id)
+            except (UpstreamUnavailable, UpstreamError) as exc:
+                if not engine_failed(parts, exc):
+                    raise
+                reservation.release(completed=False)
+                if attempt == 2:
+                    raise engine_failure(parts) from exc
+                # The managed engine died under this request before anything reached the client:
+                # wait for the restart in the queue (admission is paused) and send it once more.
+                log.warning("request %s: the engine failed under it; retrying after the restart", out.request_id)
+                if parts.supervisor is not None:
+                    # Until the supervisor has seen the death, a retry would hit the dead engine.
+                    await parts.supervisor.failure_noticed()
+                continue
+            # From here the relay owns the reservation and the stream, and the streaming response
+            # watches the client itself.
+            watcher.stop()
+            relay_owns_it = True
+            return relay_stream(parts, route, stream, reservation, out)
+        finally:
+            if not relay_owns_it:
+                reservation.release(completed=booking.learns_output)
+    raise AssertionError("unreachable: the second attempt returns or raises")
+
+
+# -- generating routes ----------------------------------------------------------------------------
+async def plan_generation(
+    parts: Parts, req: GuardedRequest, limits: Limits, policy: PromptOverflowPolicy, out: Outcome
+) -> Booking:
+    s = parts.settings
+    counts = await count(parts, req)
+    counts = await apply_prompt_policy(parts, req, counts, limits, policy, out)
+    out.prompt_tokens = sum(counts)
+    decision = decide_output(req, max(counts), limits, s)
+    sequences = req.n * len(counts)
+    # Each sequence is charged for the longest prompt: an upper bound that stays tight.
+    max_tokens = parts.admission.fit(
+        max(counts), decision.max_tokens, sequences, clamp=s.on_max_tokens_overflow == "clamp"
+    )
+    parts.metrics.record_max_tokens(req.route, max_tokens, decision.clamped or max_tokens != decision.max_tokens)
+    set_max_tokens(req, max_tokens)
+    out.max_tokens = max_tokens
+    return Booking(max(counts), max_tokens, sequences, stream=req.stream)
+
+
 async def count(parts: Parts, req: GuardedRequest) -> list[int]:
     counter = await parts.models.counter()
     t0 = time.perf_counter()
-    if req.route == "chat":
-        counts = [await counter.count_chat(req.body)]
+    if req.conversation is not None:
+        counts = [await counter.count_chat(req.conversation)]
     else:
         counts = await counter.count_prompts(
             req.prompts,  # type: ignore[arg-type]  # one list, mixed shapes
@@ -212,6 +219,9 @@ async def apply_prompt_policy(
     parts: Parts, req: GuardedRequest, counts: list[int], limits: Limits, policy: PromptOverflowPolicy,
     out: Outcome,
 ) -> list[int]:
+    if req.route == "responses":
+        responses.check_fits(counts[0], limits, policy)
+        return counts
     subject = "messages" if req.route == "chat" else "prompt"
     decisions = [decide_prompt(c, limits, policy, req.max_tokens, subject) for c in counts]
     if all(d.fits for d in decisions):
@@ -241,116 +251,57 @@ async def apply_prompt_policy(
     return new_counts
 
 
-async def open_upstream(parts: Parts, route: str, body: bytes, rid: str) -> UpstreamStream:
-    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    parts.metrics.in_flight.inc()
+def decide_output(req: GuardedRequest, prompt_tokens: int, limits: Limits, s: Settings) -> MaxTokensDecision:
     try:
-        stream = await parts.upstream.open(
-            "POST", path, body=body, headers={"content-type": "application/json", "x-request-id": rid}
-        )
-    except BaseException:
-        parts.metrics.in_flight.dec()
-        raise
-    if stream.status != 200:
-        try:
-            payload = await stream.read_all()
-        finally:
-            stream.close()
-            parts.metrics.in_flight.dec()
-        raise upstream_error_from(stream.status, payload)
-    return stream
+        return decide_max_tokens(prompt_tokens, req.max_tokens, limits, s.on_max_tokens_overflow)
+    except MaxTokensExceeded as exc:
+        if req.route != "responses":
+            raise
+        # The same bound under the Responses API's name for it.
+        raise MaxTokensExceeded(
+            exc.message.replace("max_tokens", "max_output_tokens"), param="max_output_tokens"
+        ) from None
 
 
-async def forward(parts: Parts, route: str, body: bytes, out: Outcome, reservation: Reservation) -> Response:
+# -- pooling routes -------------------------------------------------------------------------------
+async def plan_pooling(
+    parts: Parts, req: PoolingRequest, limits: Limits, policy: PromptOverflowPolicy, engine_max_model_len: int,
+    out: Outcome,
+) -> Booking:
+    counter = await parts.models.counter()
     t0 = time.perf_counter()
-    stream = await open_upstream(parts, route, body, out.request_id)
-    try:
-        payload = await stream.read_all()
-    finally:
-        stream.close()
-        parts.metrics.in_flight.dec()
-    parts.metrics.record_upstream_latency(route, time.perf_counter() - t0)
-    try:
-        data = orjson.loads(payload)
-    except orjson.JSONDecodeError as exc:
-        raise BadUpstreamResponse("The upstream answered 200 with a body that is not JSON.") from exc
-    usage = data.get("usage") if isinstance(data, dict) else None
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        parts.metrics.record_output_tokens(usage["completion_tokens"])
-        # Teaches the adaptive policy how long outputs really are.
-        reservation.observe_output_tokens(usage["completion_tokens"])
-    parts.metrics.record_request(route, "ok")
-    headers = out.headers()
-    return Response(payload, status_code=200, media_type="application/json", headers=headers)
+    counts = await pooling.count(counter, req.inputs)
+    parts.metrics.record_counted(sum(counts), time.perf_counter() - t0)
+    counts, cut = pooling.fit_context(req, counts, limits, policy, engine_max_model_len)
+    if cut:
+        out.truncated_tokens = cut
+        parts.metrics.record_truncation(req.route, cut)
+    out.prompt_tokens = sum(counts)
+    longest = max(counts)
+    return Booking(longest, 0, batch_sequences(parts.admission, longest, len(counts)), learns_output=False)
 
 
-def relay_stream(
-    parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation, out: Outcome
-) -> StreamingResponse:
-    relay = StreamRelay(parts, route, stream, reservation)
-    ctype = stream.headers.get("content-type", "")
-    if not ctype.startswith("text/event-stream"):
-        relay.finish("error")
-        raise BadUpstreamResponse(f"The upstream answered a stream request with content-type {ctype!r}.")
-    return RelayResponse(
-        relay, media_type="text/event-stream",
-        headers={**out.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"},
-    )
+def batch_sequences(admission: Admission, prompt_tokens: int, n: int) -> int:
+    """How many prompts of a pooling batch to book, each for the longest one: all ``n``, or, for a batch
+    larger than the whole KV budget, as many as the budget holds. The engine runs a batch's prompts as
+    separate requests and only as many at once as its cache holds, so such a batch runs alone, in waves,
+    rather than being refused. One prompt that cannot fit the budget is refused (``KVBudgetExceeded``)."""
 
-
-class StreamRelay:
-    """One upstream stream relayed to one client. ``finish`` frees everything exactly once, whether the
-    stream ended, broke, or never started (a client gone before the first byte)."""
-
-    def __init__(self, parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation) -> None:
-        self.parts, self.route, self.stream, self.reservation = parts, route, stream, reservation
-        self.t0 = time.perf_counter()
-        self.done = False
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        metrics = self.parts.metrics
-        events = 0
-        outcome = "cancelled"
+    def fits(k: int) -> bool:
         try:
-            async for chunk in self.stream.chunks():
-                if events == 0:
-                    metrics.record_ttft(self.route, time.perf_counter() - self.t0)
-                # One SSE event per generated token (vLLM streams each step): cheap progress for admission.
-                events += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
-                self.reservation.observe_output_tokens(events)
-                yield chunk
-            outcome = "ok"
-        except GatewayError as exc:
-            outcome = "error"
-            log.warning("stream cut by the upstream: %s", exc.message)
-            yield sse_error_event(exc)
-        finally:
-            self.finish(outcome)
+            admission.fit(prompt_tokens, 0, k, clamp=False)
+        except KVBudgetExceeded:
+            return False
+        return True
 
-    def finish(self, outcome: str) -> None:
-        # Synchronous on purpose: this also runs inside a cancelled task when the client went away.
-        if self.done:
-            return
-        self.done = True
-        self.stream.close()
-        # A cut stream's short output must not teach admission that outputs are short.
-        self.reservation.release(completed=outcome == "ok")
-        metrics = self.parts.metrics
-        metrics.in_flight.dec()
-        metrics.record_upstream_latency(self.route, time.perf_counter() - self.t0)
-        metrics.record_request(self.route, outcome)
-
-
-class RelayResponse(StreamingResponse):
-    def __init__(self, relay: StreamRelay, **kwargs: Any) -> None:
-        super().__init__(relay.chunks(), **kwargs)
-        self.relay = relay
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.relay.finish("cancelled")
+    if fits(n):
+        return n
+    admission.fit(prompt_tokens, 0, 1, clamp=False)  # raises when not even one prompt fits
+    low, high = 1, n  # fits(low), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 # -- small stages ---------------------------------------------------------------------------------
@@ -385,29 +336,6 @@ def request_id(request: Request) -> str:
     return rid
 
 
-def authenticate(parts: Parts, request: Request, *, admin: bool = False) -> str | None:
-    """The client's API key when keys are configured; 401 when it is missing or wrong."""
-    s = parts.settings
-    accepted = s.admin_api_key if admin else [*parts_keys(s), *s.admin_api_key]
-    if not accepted and not admin:
-        return None
-    auth = request.headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else request.headers.get("x-api-key", "")
-    if not token:
-        raise AuthenticationFailed(
-            "Missing API key: send 'Authorization: Bearer <key>'." if accepted or not admin
-            else "This endpoint needs an admin key (--admin-api-key), and none is configured."
-        )
-    if token not in accepted:
-        raise AuthenticationFailed("Incorrect API key provided.")
-    return token
-
-
-def parts_keys(s: Settings) -> list[str]:
-    return list(s.key_priorities())
-
-
 def priority(parts: Parts, request: Request, key: str | None) -> int:
     raw = request.headers.get("x-guard-priority")
     if raw is None:
@@ -439,112 +367,7 @@ def refuse_while_starting(parts: Parts) -> None:
         )
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"The request body is {int(declared)} bytes; the limit is {limit} bytes.")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body exceeds the limit of {limit} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-class DisconnectWatcher:
-    """Cancels the handling task when the client disconnects before the response starts, so that a queued
-    request leaves the queue and an upstream request is aborted (not left generating for nobody).
-    Started only once the body is read: from then on, receive() returns only on disconnect."""
-
-    def __init__(self, request: Request) -> None:
-        self._request = request
-        self._task: asyncio.Task[None] | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self.fired = False
-
-    # Most requests are answered before this: they never pay for a watching task. A client that leaves sooner
-    # is noticed this much later, which frees nothing later than the upstream's own answer would.
-    GRACE = 0.05
-
-    def start(self) -> None:
-        target = asyncio.current_task()
-        if target is None:
-            return
-        self._timer = asyncio.get_running_loop().call_later(self.GRACE, self._watch, target)
-
-    def _watch(self, target: asyncio.Task[Response]) -> None:
-        self._timer = None
-
-        async def wait() -> None:
-            message = await self._request.receive()
-            if message["type"] == "http.disconnect" and self._task is not None:
-                self.fired = True
-                target.cancel()
-
-        self._task = asyncio.get_running_loop().create_task(wait())
-
-    def stop(self) -> None:
-        timer, self._timer = self._timer, None
-        if timer is not None:
-            timer.cancel()
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-
-
 def _uncancel() -> None:
     task = asyncio.current_task()
     if task is not None:
         task.uncancel()
-
-
-
-# -- the other routes -----------------------------------------------------------------------------
-async def list_models(parts: Parts, request: Request) -> Response:
-    rid = request_id(request)
-    authenticate(parts, request)
-    reply = await parts.upstream.request("GET", "/v1/models", timeout=10.0)
-    if reply.status != 200:
-        raise upstream_error_from(reply.status, reply.body)
-    info = parse_models(reply.body)
-    parts.models.update(info)
-    limit = effective_max_model_len(info.max_model_len, parts.settings.max_model_len)
-    return Response(
-        parts.models.rewrite_listing(reply.body, limit), media_type="application/json",
-        headers={"x-request-id": rid},
-    )
-
-
-async def passthrough(parts: Parts, request: Request, path: str) -> Response:
-    """Any other /v1/* route, /tokenize and /detokenize: forwarded with auth, streamed back as it comes."""
-    rid = request_id(request)
-    authenticate(parts, request)
-    try:
-        body = await read_body(request, parts.settings.max_body_bytes)
-    except ClientDisconnect:
-        return Response(status_code=499)
-    headers = {k: v for k, v in request.headers.items()}
-    headers["x-request-id"] = rid
-    stream = await parts.upstream.open(
-        request.method, path, body=body or None, headers=headers, params=dict(request.query_params)
-    )
-    if stream.status >= 400 and stream.headers.get("content-type", "").startswith("application/json"):
-        try:
-            payload = await stream.read_all()
-        finally:
-            stream.close()
-        raise upstream_error_from(stream.status, payload)
-
-    async def relay() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in stream.chunks():
-                yield chunk
-        finally:
-            stream.close()
-
-    return StreamingResponse(
-        relay(), status_code=stream.status,
-        headers={**response_headers(stream.headers), "x-request-id": rid},
-    )

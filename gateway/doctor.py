@@ -13,13 +13,14 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.gpu import GpuReport, parent_pid, pid_alive, query_gpus
+from gateway.redact import redact_url, redact_urls_in
 
 Severity = Literal["ok", "info", "warning", "error"]
 GIB = 1024**3
@@ -177,8 +178,14 @@ def parse_engine_metrics(text: str) -> dict[str, Any]:
 
 
 async def probe_upstream(client: httpx.AsyncClient, url: str) -> tuple[UpstreamFacts, list[Finding]]:
-    """Ask the upstream for /health, /version, /v1/models and /metrics."""
-    base = url.rstrip("/")
+    """Ask the upstream for /health, /version, /v1/models and /metrics; the report never shows the URL's
+    credentials (a doctor report is pasted into issues and CI logs)."""
+    facts, findings = await _probe_upstream(client, url.rstrip("/"))
+    shown = [replace(f, message=redact_urls_in(f.message)) for f in findings]
+    return replace(facts, url=redact_url(facts.url)), shown
+
+
+async def _probe_upstream(client: httpx.AsyncClient, base: str) -> tuple[UpstreamFacts, list[Finding]]:
     try:
         health = await client.get(f"{base}/health")
     except httpx.HTTPError as exc:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+import re
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
@@ -75,11 +77,11 @@ class MaxTokensExceeded(InvalidRequest):
 
 
 class KVBudgetExceeded(GatewayError):
-    """A single request that could never fit the engine's whole KV budget (DESIGN.md's table: 400,
-    type rate_limit_error). Retrying cannot help, so no Retry-After."""
+    """A single request that could never fit the engine's whole KV budget: a client mistake like an
+    over-long prompt. Retrying cannot help, so no Retry-After."""
 
     status = 400
-    type = "rate_limit_error"
+    type = "invalid_request_error"
     code = "kv_budget_exceeded"
     reason = "kv_budget"
 
@@ -169,18 +171,56 @@ class UpstreamError(GatewayError):
 
     reason = "upstream_error"
 
-    def __init__(self, status: int, message: str, *, type: str, param: str | None, code: str | None) -> None:
-        super().__init__(message, param=param, code=code)
+    def __init__(
+        self, status: int, message: str, *, type: str, param: str | None, code: str | None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message, param=param, code=code, headers=headers)
         self.status = status
         self.type = type
 
 
-def upstream_error_from(status: int, payload: bytes) -> UpstreamError:
-    """Normalise any vLLM error body (nested since 0.10.1, flat before, or not JSON at all)."""
-    message: str = ""
-    etype = "invalid_request_error" if 400 <= status < 500 else "server_error"
-    param: str | None = None
-    code: str | None = None
+
+# -- connection and protocol limits (the HTTP server answers these itself) ------------------------
+class RequestTimeout(GatewayError):
+    """The request line, headers or body did not arrive in time."""
+
+    status = 408
+    type = "invalid_request_error"
+    code = "request_timeout"
+    reason = "request_timeout"
+
+
+class HeadersTooLarge(GatewayError):
+    status = 431
+    type = "invalid_request_error"
+    code = "headers_too_large"
+    reason = "headers_too_large"
+
+
+class TooManyConnections(GatewayError):
+    status = 503
+    type = "server_error"
+    code = "too_many_connections"
+    reason = "too_many_connections"
+
+# The error types OpenAI's API and SDKs know; anything else the upstream says (vLLM's "BadRequestError",
+# Starlette's "Method Not Allowed") is replaced by the one its status implies.
+OPENAI_ERROR_TYPES = frozenset(
+    {"invalid_request_error", "authentication_error", "permission_error", "rate_limit_error", "server_error"}
+)
+_TYPE_BY_STATUS = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+_HTML_TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+_RETRY_AFTER = re.compile(r"^(?:\d{1,9}|[A-Za-z]{3}, \d{2} [A-Za-z]{3} \d{4} \d{2}:\d{2}:\d{2} GMT)$")
+
+
+def upstream_error_from(
+    status: int, payload: bytes, headers: Mapping[str, str] | None = None
+) -> UpstreamError | BadUpstreamResponse:
+    """Normalise any upstream error answer (vLLM's nested body since 0.10.1, its flat one before, FastAPI's
+    ``detail``, an HTML page) into OpenAI's shape; its ``Retry-After`` is kept."""
+    if not 400 <= status <= 599:
+        return BadUpstreamResponse(f"The upstream answered HTTP {status} where a result or an error was expected.")
     try:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError:
@@ -193,22 +233,36 @@ def upstream_error_from(status: int, payload: bytes) -> UpstreamError:
     else:
         src = {}
     message = str(src.get("message") or (err if isinstance(err, str) else "") or "")
+    if not message and "detail" in src:
+        detail = src["detail"]
+        message = detail if isinstance(detail, str) else orjson.dumps(detail).decode()[:500]
     if not message:
-        message = payload[:500].decode("utf-8", "replace").strip() or f"upstream answered HTTP {status}"
-    # vLLM calls every 400 "BadRequestError" and puts the HTTP status in code; OpenAI's names are clearer.
+        message = _plain_message(status, payload)
     raw_type = src.get("type")
-    if isinstance(raw_type, str) and raw_type and raw_type not in {"BadRequestError", "NotFoundError"}:
+    if isinstance(raw_type, str) and raw_type in OPENAI_ERROR_TYPES:
         etype = raw_type
-    if isinstance(src.get("param"), str):
-        param = src["param"]
-    raw_code = src.get("code")
-    if isinstance(raw_code, str):
-        code = raw_code
+    else:
+        etype = _TYPE_BY_STATUS.get(status, "invalid_request_error" if status < 500 else "server_error")
+    param = src["param"] if isinstance(src.get("param"), str) else None
+    # vLLM puts the HTTP status in code; only a string code says more than the status does.
+    code = src["code"] if isinstance(src.get("code"), str) else None
     if code is None and "maximum context length" in message:
         code = "context_length_exceeded"
     if status == 404 and code is None and "model" in message.lower():
         code = "model_not_found"
-    return UpstreamError(status, message, type=etype, param=param, code=code)
+    retry_after = (headers or {}).get("retry-after") or (headers or {}).get("Retry-After") or ""
+    retry_after = retry_after.strip()
+    kept = {"retry-after": retry_after} if _RETRY_AFTER.match(retry_after) else None
+    return UpstreamError(status, message, type=etype, param=param, code=code, headers=kept)
+
+
+def _plain_message(status: int, payload: bytes) -> str:
+    """A message from a body that is not JSON: an HTML page's title (not its markup), else the text."""
+    title = _HTML_TITLE.search(payload[:4096])
+    if title is not None:
+        text = " ".join(title.group(1).decode("utf-8", "replace").split())[:200]
+        return f"The upstream answered HTTP {status} with an HTML page: {text}"
+    return payload[:500].decode("utf-8", "replace").strip() or f"upstream answered HTTP {status}"
 
 
 # -- the one place errors become responses --------------------------------------------------------
@@ -224,9 +278,15 @@ def error_response(exc: GatewayError, extra_headers: dict[str, str] | None = Non
     )
 
 
+def sse_error_events(exc: GatewayError) -> tuple[bytes, bytes]:
+    """An error inside an already-started stream, as vLLM sends it: a data event, then [DONE]. Two events,
+    to be written one per write like every other event, and only ever between events."""
+    return b"data: " + orjson.dumps(exc.body()) + b"\n\n", b"data: [DONE]\n\n"
+
+
 def sse_error_event(exc: GatewayError) -> bytes:
-    """An error inside an already-started stream: vLLM sends it as a data event, then [DONE]."""
-    return b"data: " + orjson.dumps(exc.body()) + b"\n\ndata: [DONE]\n\n"
+    """``sse_error_events`` as one piece of bytes."""
+    return b"".join(sse_error_events(exc))
 
 
 def install_handlers(app: FastAPI) -> None:

@@ -6,6 +6,8 @@ One ``Metrics`` object per app (no module-level registry), so tests and several 
 
 from __future__ import annotations
 
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -21,6 +23,9 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 3
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 UPSTREAM_STATES = ("starting", "ready", "draining", "restarting", "down")
+# Raw values kept for the live page's percentiles between two of its samples (history.py empties them each
+# second); bounded, so a gateway nobody samples holds no more than this.
+RECENT_VALUES = 4096
 
 
 class Metrics:
@@ -129,6 +134,9 @@ class Metrics:
             "vllm_guard_engine_startup_seconds", "Time the last (re)start of the managed engine took.",
             registry=r,
         )
+        # -- recent values for the live page (not collectors) -------------------------------------
+        self.recent_ttft: deque[float] = deque(maxlen=RECENT_VALUES)
+        self.recent_queue_wait: deque[float] = deque(maxlen=RECENT_VALUES)
         self.set_upstream_state("starting")
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -159,6 +167,7 @@ class Metrics:
 
     def record_ttft(self, route: str, seconds: float) -> None:
         self.ttft_seconds.labels(route).observe(seconds)
+        self.recent_ttft.append(seconds)
 
     def record_tokenizer_fallback(self, active: bool) -> None:
         self.tokenizer_fallback.set(1 if active else 0)
@@ -181,6 +190,7 @@ class Metrics:
     def record_admission(self, how: str, waited_seconds: float) -> None:
         self.admissions.labels(how).inc()
         self.queue_wait.observe(waited_seconds)
+        self.recent_queue_wait.append(waited_seconds)
 
     def record_preemptions(self, count: float) -> None:
         if count > 0:

@@ -19,6 +19,7 @@ import orjson
 from .config import Settings
 from .errors import BadUpstreamResponse, ModelNotFound, UpstreamUnavailable, upstream_error_from
 from .metrics import Metrics
+from .templates import RequestTemplates
 from .tokens import Counter, LocalCounter, RemoteCounter, TokenizerUnavailable, load_tokenizer
 from .upstream import Upstream
 
@@ -56,6 +57,8 @@ class Models:
         self._upstream = upstream
         self._metrics = metrics
         self._executor = executor
+        # Request-supplied chat templates: refused, or rendered in worker processes closed with the app.
+        self.templates = RequestTemplates.from_settings(settings)
         self._info: ModelInfo | None = None
         self._counter: Counter | None = None
         self._lock = asyncio.Lock()
@@ -114,7 +117,7 @@ class Models:
                 log.info("counting tokens with the tokenizer of %s", source)
                 self._metrics.record_tokenizer_fallback(False)
                 # Media parts cannot be counted locally; the engine's /tokenize counts those requests.
-                return LocalCounter(tokenizer, self._executor, fallback=self._remote())
+                return LocalCounter(tokenizer, self._executor, fallback=self._remote(), templates=self.templates)
             except TokenizerUnavailable as exc:
                 reason = str(exc)
         else:
@@ -131,7 +134,8 @@ class Models:
 
     def _remote(self) -> RemoteCounter:
         ids = self._info.ids if self._info is not None else ()
-        return RemoteCounter(self._upstream.tokenize, self._settings.served_model_name or (ids[0] if ids else ""))
+        model = self._settings.served_model_name or (ids[0] if ids else "")
+        return RemoteCounter(self._upstream.tokenize, model, templates=self.templates)
 
     def rewrite_listing(self, payload: bytes, effective_max_model_len: int | None) -> bytes:
         """/v1/models as the upstream says, with max_model_len lowered to the gateway's limit."""

@@ -27,6 +27,7 @@ from gateway import guardian
 from gateway.config import Settings
 from gateway.errors import UpstreamUnavailable
 from gateway.metrics import Metrics
+from gateway.redact import SecretRedactor
 from gateway.vllm_log import (
     CudaOutOfMemory,
     EngineDead,
@@ -174,6 +175,8 @@ class Supervisor:
         self.last_error: str | None = None
         self.last_exit_code: int | None = None
         self.autofit_log: list[str] = []
+        # vLLM prints its arguments, --api-key among them: its lines are redacted before they are kept or logged.
+        self._redactor = SecretRedactor.for_settings(settings)
         self._overrides: dict[str, str] = {}
         self._base: list[str] | None = None
         self._child: _Child | None = None
@@ -487,7 +490,7 @@ class Supervisor:
                 continue  # a line over the limit: dropped, the next one is read
             if not raw:
                 return
-            line = raw.decode("utf-8", "replace").rstrip()
+            line = self._redactor.redact(raw.decode("utf-8", "replace").rstrip())
             if not line:
                 continue
             child.tail.append(line)

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gateway.chatformat import MediaContent, prepare_chat, template_kwargs, validate_messages
 from gateway.errors import BadUpstreamResponse, ContextLengthExceeded, InvalidRequest
+from gateway.template_worker import template_error_reason
+from gateway.templates import RequestTemplates, TemplateInputs
 from gateway.truncation import ChatTruncation, Messages, truncate_messages
 
 if TYPE_CHECKING:
@@ -87,6 +89,10 @@ class Counter(Protocol):
     async def count_prompts(self, prompt: Prompt, *, add_special_tokens: bool = True) -> list[int]: ...
 
     async def truncate_chat(self, body: dict[str, Any], budget: int) -> ChatTruncation: ...
+
+    async def count_pairs(
+        self, pairs: list[tuple[str, str]], *, max_first: int = 0, max_second: int = 0
+    ) -> list[int]: ...
 
     async def truncate_prompt(
         self, prompt: str | list[int], budget: int, *, add_special_tokens: bool = True
@@ -286,7 +292,8 @@ class LocalCounter:
     """Counts with the model's own tokenizer, in ``executor`` (the loop's default pool when None).
 
     ``fallback`` (e.g. a RemoteCounter) counts chat requests with media parts, whose tokens only the
-    engine knows; without one they are rejected as invalid.
+    engine knows; without one they are rejected as invalid. ``templates`` says whether a chat template sent
+    in a request is refused (the default) or rendered in its sandbox; such a template never runs here.
     """
 
     def __init__(
@@ -296,11 +303,14 @@ class LocalCounter:
         *,
         fallback: Counter | None = None,
         cache_chars: int = DEFAULT_CACHE_CHARS,
+        templates: RequestTemplates | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.text = TextCounter(tokenizer, cache_chars)
         self._executor = executor
         self._fallback = fallback
+        self._templates = templates or RequestTemplates(trusted=False)
+        self._template_inputs = TemplateInputs(tokenizer)
 
     async def _run(self, size: int, fn: Callable[..., Any], *args: Any) -> Any:
         if size <= INLINE_CHARS:
@@ -309,14 +319,14 @@ class LocalCounter:
 
     # -- chat
     def render_chat(self, body: dict[str, Any]) -> tuple[str, bool]:
-        """The prompt text vLLM renders for ``body``, and whether it adds special tokens to it."""
-        requested = body.get("chat_template")
-        if requested is not None and not isinstance(requested, str):
-            raise InvalidRequest("chat_template must be a string", param="chat_template")
-        try:
-            template = self.tokenizer.get_chat_template(requested, tools=body.get("tools") or None)
-        except ValueError as exc:
-            raise InvalidRequest(f"No chat template is available for this model: {exc}") from exc
+        """The prompt text vLLM renders for ``body`` with the model's template, and whether it adds special tokens.
+
+        A template sent with the request is refused here; when trusted, only ``count_chat`` and
+        ``truncate_chat`` render it, in the sandbox.
+        """
+        if self._templates.requested(body) is not None:
+            raise RuntimeError("a request's own chat template renders only in the sandbox (count_chat)")
+        template = self._model_template(None, body)
         prepared = prepare_chat(body, template)
         try:
             text = self.tokenizer.apply_chat_template(
@@ -327,17 +337,26 @@ class LocalCounter:
                 **prepared.kwargs,
             )
         except Exception as exc:  # templates raise anything; vLLM answers all of it with a 400 too
-            raise InvalidRequest(_template_error_reason(exc)) from exc
+            raise InvalidRequest(template_error_reason(exc)) from exc
         if not isinstance(text, str):
             raise InvalidRequest("The chat template did not render text")
         return text, prepared.add_special_tokens
+
+    def _model_template(self, requested: str | None, body: dict[str, Any]) -> str:
+        try:
+            return self.tokenizer.get_chat_template(requested, tools=body.get("tools") or None)
+        except ValueError as exc:
+            raise InvalidRequest(f"No chat template is available for this model: {exc}") from exc
 
     def count_chat_sync(self, body: dict[str, Any]) -> ChatPrompt:
         text, add_special = self.render_chat(body)
         return ChatPrompt(self.text.count(text, add_special))
 
     async def count_chat(self, body: dict[str, Any]) -> int:
+        requested = self._templates.requested(body)  # refused before anything renders, when untrusted
         try:
+            if requested is not None:
+                return await self._count_with_request_template(body, requested)
             prompt: ChatPrompt = await self._run(_chat_chars(body), self.count_chat_sync, body)
         except MediaContent:
             if self._fallback is None:
@@ -345,11 +364,27 @@ class LocalCounter:
             return await self._fallback.count_chat(body)
         return prompt.token_count
 
+    def _request_template_job(self, body: dict[str, Any], requested: str) -> tuple[bytes, bool]:
+        """The sandbox's job for ``body``: validated here, with the template itself run only in the worker."""
+        template = self._model_template(requested, body)  # a name picks one of the model's named templates
+        # An empty template validates the messages and builds the arguments without running anything.
+        prepared = prepare_chat(body, "")
+        job = self._template_inputs.job(template, validate_messages(body), prepared, self._templates.limits)
+        return job, prepared.add_special_tokens
+
+    async def _count_with_request_template(self, body: dict[str, Any], requested: str) -> int:
+        job, add_special = await self._run(_chat_chars(body), self._request_template_job, body, requested)
+        text = await self._templates.sandbox.render(job)
+        return int(await self._run(len(text), self.text.count, text, add_special))
+
     async def truncate_chat(self, body: dict[str, Any], budget: int) -> ChatTruncation:
+        requested = self._templates.requested(body)
         messages = validate_messages(body)
         size = _chat_chars(body)
 
         async def count(msgs: Messages) -> int:
+            if requested is not None:
+                return await self._count_with_request_template({**body, "messages": msgs}, requested)
             return int(await self._run(size, lambda: self.count_chat_sync({**body, "messages": msgs}).token_count))
 
         async def drop_front(text: str, tokens: int) -> str:
@@ -396,6 +431,29 @@ class LocalCounter:
         cut: PromptTruncation = await self._run(len(prompt), self._truncate_text, prompt, budget, add_special_tokens)
         return cut
 
+    # -- text pairs (score, rerank)
+    def _count_pairs(self, pairs: list[tuple[str, str]], max_first: int, max_second: int) -> list[int]:
+        # A pair encodes each text alone and joins them with the pair's special tokens ([CLS] a [SEP] b
+        # [SEP]), so its length is the sum; a text shared by many pairs (a rerank query) is counted once.
+        specials = int(self.tokenizer.num_special_tokens_to_add(pair=True))
+        known: dict[str, int] = {}
+
+        def one(text: str, bound: int) -> int:
+            n = known.get(text)
+            if n is None:
+                n = known[text] = self.text.count(text, False)
+            return min(n, bound) if bound > 0 else n
+
+        return [one(a, max_first) + one(b, max_second) + specials for a, b in pairs]
+
+    async def count_pairs(
+        self, pairs: list[tuple[str, str]], *, max_first: int = 0, max_second: int = 0
+    ) -> list[int]:
+        """Tokens of each text pair as ``tokenizer(first, text_pair=second)`` encodes it, each side first cut
+        to its bound (0: none)."""
+        size = sum(len(a) + len(b) for a, b in pairs)
+        return list(await self._run(size, self._count_pairs, pairs, max_first, max_second))
+
 
 def _chat_chars(body: dict[str, Any]) -> int:
     """A cheap size of a chat request: the characters of its text, enough to choose inline or pool."""
@@ -414,27 +472,20 @@ def _chat_chars(body: dict[str, Any]) -> int:
     return total
 
 
-def _template_error_reason(exc: BaseException) -> str:
-    """The most specific message in a template error's chain (what vLLM reports too)."""
-    import jinja2
-
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, jinja2.TemplateError):
-            return str(current)
-        current = current.__cause__ or current.__context__
-    return str(exc)
-
-
 # -- the remote counter ----------------------------------------------------------------------------
 class RemoteCounter:
     """Counts through the upstream's ``/tokenize`` (``tokenize(payload)`` posts and returns its JSON)."""
 
-    def __init__(self, tokenize: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]], model: str) -> None:
+    def __init__(
+        self,
+        tokenize: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]],
+        model: str,
+        templates: RequestTemplates | None = None,
+    ) -> None:
         self._tokenize = tokenize
         self._model = model
+        # A trusted request template goes to the engine's /tokenize, which renders it under its own flag.
+        self._templates = templates or RequestTemplates(trusted=False)
 
     async def _count(self, payload: dict[str, Any]) -> int:
         answer = await self._tokenize({"model": self._model, **payload})
@@ -448,6 +499,7 @@ class RemoteCounter:
 
     def chat_payload(self, body: dict[str, Any]) -> dict[str, Any]:
         """The /tokenize request equivalent to a chat request (its extra template inputs go as kwargs)."""
+        self._templates.requested(body)
         validate_messages(body)
         kwargs = template_kwargs(body)
         payload: dict[str, Any] = {
@@ -504,6 +556,21 @@ class RemoteCounter:
             if n <= budget:
                 return PromptTruncation(tail, n, original - n)
             chars -= max(1, (n - budget) * len(prompt) // original)
+
+    async def count_pairs(
+        self, pairs: list[tuple[str, str]], *, max_first: int = 0, max_second: int = 0
+    ) -> list[int]:
+        """As ``LocalCounter.count_pairs``, but /tokenize knows no pairs: a pair's special tokens are taken as
+        twice a single text's, which covers the common templates (BERT adds 3 for 2, RoBERTa 4 for 2)."""
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        alone = await self.count_prompts(texts, add_special_tokens=False) if texts else []
+        counts = dict(zip(texts, alone, strict=True))
+        specials = 2 * (await self.count_prompts([""], add_special_tokens=True))[0]
+
+        def one(text: str, bound: int) -> int:
+            return min(counts[text], bound) if bound > 0 else counts[text]
+
+        return [one(a, max_first) + one(b, max_second) + specials for a, b in pairs]
 
 
 # -- micro-benchmark -------------------------------------------------------------------------------

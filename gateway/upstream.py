@@ -6,6 +6,7 @@ on this hardware, aiohttp ~4,000. Transport failures become ``GatewayError``s he
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -16,17 +17,23 @@ from yarl import URL
 
 from .config import Settings
 from .errors import BadUpstreamResponse, GatewayError, UpstreamTimeout, UpstreamUnavailable
+from .redact import redact_url, redact_urls_in
 
-# Headers that describe one hop, never forwarded (RFC 9110 7.6.1), plus those we set ourselves.
+# Headers that describe one hop, never forwarded (RFC 9110 7.6.1), plus those we set ourselves, plus the
+# client's credentials: its key is the gateway's (the upstream gets --upstream-api-key instead), and its
+# cookies are no business of the upstream's.
 HOP_HEADERS = frozenset(
     {
         "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
         "transfer-encoding", "upgrade", "host", "content-length", "authorization", "accept-encoding",
+        "x-api-key", "cookie", "cookie2",
     }
 )
 RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
 # A retry hint for clients when the upstream cannot be reached at all.
 UNREACHABLE_RETRY_AFTER = 5.0
+# The gateway asks for identity; an upstream that compresses anyway is decoded up to this size per body.
+DECODED_BODY_LIMIT = 256 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -48,16 +55,27 @@ class UpstreamStream:
         self.headers = response.headers
 
     async def read_all(self) -> bytes:
+        """The whole body, decoded if the upstream compressed it (though asked for identity)."""
+        decoder = decoder_for(self.headers)
+        raw = await self.read_raw()
+        if decoder is None:
+            return raw
+        return decoder.decode(raw, DECODED_BODY_LIMIT) + decoder.finish()
+
+    async def read_raw(self) -> bytes:
+        """The whole body as sent (still compressed if it was), for relaying with its own headers."""
         try:
             return await self._response.read()
         except TimeoutError as exc:
             raise self._timeout_error() from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnavailable(
-                f"The upstream dropped the connection: {exc}", retry_after=UNREACHABLE_RETRY_AFTER
+                f"The upstream dropped the connection: {redact_urls_in(str(exc))}",
+                retry_after=UNREACHABLE_RETRY_AFTER,
             ) from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, as sent (still compressed if it was: see ``decoder_for``)."""
         try:
             async for chunk in self._response.content.iter_any():
                 yield chunk
@@ -65,7 +83,8 @@ class UpstreamStream:
             raise self._timeout_error() from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnavailable(
-                f"The upstream dropped the stream: {exc}", retry_after=UNREACHABLE_RETRY_AFTER
+                f"The upstream dropped the stream: {redact_urls_in(str(exc))}",
+                retry_after=UNREACHABLE_RETRY_AFTER,
             ) from exc
 
     def close(self) -> None:
@@ -127,6 +146,9 @@ class Upstream:
     def _headers(self, extra: Mapping[str, str] | None) -> dict[str, str]:
         headers = {k: v for k, v in (extra or {}).items() if k.lower() not in HOP_HEADERS}
         headers.update(self._auth)
+        # aiohttp would offer gzip and deflate, and with auto_decompress off (it costs CPU on every read) a
+        # compressed answer would reach clients labelled as plain. vLLM compresses nothing it is not asked to.
+        headers["Accept-Encoding"] = "identity"
         return headers
 
     async def open(
@@ -141,7 +163,8 @@ class Upstream:
     ) -> UpstreamStream:
         """Send a request and return once the response headers arrived; the caller closes it."""
         url = self._url(path)
-        kwargs: dict[str, Any] = {"data": body, "headers": self._headers(headers)}
+        # Redirects are not followed: the gateway talks to one engine, by the paths of its route table.
+        kwargs: dict[str, Any] = {"data": body, "headers": self._headers(headers), "allow_redirects": False}
         if params:
             kwargs["params"] = params
         if timeout is not None:
@@ -152,7 +175,8 @@ class Upstream:
             raise self._timeout(timeout) from exc
         except aiohttp.ClientConnectorError as exc:
             raise UpstreamUnavailable(
-                f"The upstream at {self.base_url} cannot be reached ({exc.os_error or exc}).",
+                f"The upstream at {redact_url(self.base_url)} cannot be reached "
+                f"({redact_urls_in(str(exc.os_error or exc))}).",
                 retry_after=UNREACHABLE_RETRY_AFTER,
             ) from exc
         except aiohttp.ClientResponseError as exc:
@@ -160,7 +184,8 @@ class Upstream:
         except aiohttp.ClientError as exc:
             # Reset or closed before any response: the request may not have run; retrying is safe to suggest.
             raise UpstreamUnavailable(
-                f"The upstream closed the connection before answering: {exc}", retry_after=UNREACHABLE_RETRY_AFTER
+                f"The upstream closed the connection before answering: {redact_urls_in(str(exc))}",
+                retry_after=UNREACHABLE_RETRY_AFTER,
             ) from exc
         return UpstreamStream(response, lambda: self._timeout(timeout))
 
@@ -203,7 +228,7 @@ class Upstream:
             timeout=30.0,
         )
         if reply.status != 200:
-            raise upstream_error_from(reply.status, reply.body)
+            raise upstream_error_from(reply.status, reply.body, reply.headers)
         try:
             data = orjson.loads(reply.body)
         except orjson.JSONDecodeError as exc:
@@ -211,6 +236,45 @@ class Upstream:
         if not isinstance(data, dict):
             raise BadUpstreamResponse("The upstream's /tokenize answered with a non-object.")
         return data
+
+
+class BodyDecoder:
+    """Undoes a gzip or deflate Content-Encoding piece by piece, bounded: a small compressed read that would
+    expand past ``limit`` bytes is refused rather than decoded (a compression bomb)."""
+
+    def __init__(self, encoding: str) -> None:
+        self.encoding = encoding
+        # 32 + 15: a gzip or zlib header, whichever it is (deflate is zlib-wrapped per RFC 9110).
+        self._z = zlib.decompressobj(47)
+
+    def decode(self, data: bytes, limit: int) -> bytes:
+        try:
+            out = self._z.decompress(data, limit)
+        except zlib.error as exc:
+            raise BadUpstreamResponse(f"The upstream's {self.encoding} body does not decode: {exc}.") from exc
+        if self._z.unconsumed_tail:
+            raise BadUpstreamResponse(f"The upstream's {self.encoding} body expands past {limit} bytes; refused.")
+        return out
+
+    def finish(self) -> bytes:
+        """At the body's end: what is left; a compressed stream cut short raises."""
+        if not self._z.eof:
+            raise BadUpstreamResponse(f"The upstream's {self.encoding} body ended before its compressed end.")
+        return self._z.flush()
+
+
+def decoder_for(headers: Mapping[str, str]) -> BodyDecoder | None:
+    """A decoder for the upstream's Content-Encoding; None for identity; ``BadUpstreamResponse`` for an
+    encoding the gateway cannot decode (never relayed under a plain label)."""
+    encoding = headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        return None
+    if encoding in ("gzip", "x-gzip", "deflate"):
+        return BodyDecoder(encoding)
+    raise BadUpstreamResponse(
+        f"The upstream answered with Content-Encoding {encoding!r}, which the gateway cannot decode "
+        "(it asks for identity)."
+    )
 
 
 def response_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -6,6 +6,9 @@
 #                                         token counts, limits, queueing and KV admission are all real)
 #   scripts/demo.sh --model PATH_OR_ID    a real model on a GPU, started with the normal `vllm` CLI
 #   scripts/demo.sh stop                  stop a running demo (Ctrl-C in its terminal does the same)
+#   scripts/demo.sh flood                 send a short burst to the running demo (24 concurrent streamed chats
+#                                         with long prompts, bounded to a minute) and watch the live page
+#                                         http://127.0.0.1:8080/guard/ui queue and admit them
 #
 # Options:
 #   --model PATH_OR_ID   model for `vllm serve` (needs a GPU and the CUDA build of vLLM on PATH, or $VLLM)
@@ -14,6 +17,7 @@
 #   --host H             gateway listen address (127.0.0.1)
 #   --detach             return once both are ready and leave them running (stop with `demo.sh stop`)
 #   -- ARGS              extra arguments for vLLM
+# Flood options: --requests N (24), --port P (the running demo's)
 # Gateway policy comes from VLLM_GUARD_* variables, e.g. VLLM_GUARD_ON_PROMPT_OVERFLOW=truncate.
 set -euo pipefail
 
@@ -111,6 +115,133 @@ launch() {
     echo $! > "$STATE/$name.pid"
 }
 
+# A short, bounded burst through the running demo's gateway, so its queueing and admission can be watched on
+# the live page: concurrent streamed chats whose prompts fill 40% of the context, a few longer ones with
+# max_tokens beyond what the context leaves (clamped) and one with a prompt over the context (refused). Sized from the model's context,
+# counted with the engine's own tokenizer (/tokenize).
+flood() {
+    local port="" requests=24
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --port) port="${2:?--port needs a value}"; shift 2 ;;
+            --requests) requests="${2:?--requests needs a value}"; shift 2 ;;
+            -h|--help) usage; exit 0 ;;
+            *) usage >&2; die "unknown flood argument '$1'" ;;
+        esac
+    done
+    [ -n "$port" ] || port="$(cat "$STATE/gateway.port" 2>/dev/null || echo 8080)"
+    [ -x "$VENV_BIN/python" ] || die "no .venv yet: start the demo first (scripts/demo.sh --detach)"
+    local base="http://127.0.0.1:$port"
+    curl -fsS -o /dev/null --max-time 5 "$base/health" 2>/dev/null \
+        || die "no ready gateway at $base; start the demo first (scripts/demo.sh --detach)"
+    say "watch it live: $base/guard/ui"
+    "$VENV_BIN/python" - "$base" "$requests" <<'EOF'
+import asyncio
+import os
+import sys
+import time
+
+import aiohttp
+
+BASE, COUNT = sys.argv[1], max(1, int(sys.argv[2]))
+DEADLINE_S = 60.0  # the whole burst is bounded: what still runs then is cancelled
+SENTENCE = "The guard counts every token of a request before the engine sees it, and books its KV blocks. "
+
+
+def client_key() -> str:
+    """The demo gateway's first client key, when VLLM_GUARD_API_KEY gives it one (KEY or KEY=PRIORITY)."""
+    first = os.environ.get("VLLM_GUARD_API_KEY", "").strip("[] ").split(",")[0].strip().strip("\"'")
+    key, sep, prio = first.rpartition("=")
+    return key if sep and key and prio.lstrip("-").isdigit() else first
+
+
+async def tokens_of(s: aiohttp.ClientSession, model: str, text: str) -> int:
+    try:
+        async with s.post(BASE + "/tokenize", json={"model": model, "prompt": text}) as r:
+            if r.status == 200:
+                return max(1, int((await r.json())["count"]))
+    except (aiohttp.ClientError, KeyError, ValueError):
+        pass
+    return max(1, len(text) // 4)
+
+
+async def one(s: aiohttp.ClientSession, body: dict, priority: int, out: list) -> None:
+    try:
+        async with s.post(BASE + "/v1/chat/completions", json=body, headers={"x-guard-priority": str(priority)}) as r:
+            if r.status != 200:
+                error = (await r.json(content_type=None) or {}).get("error") or {}
+                out.append(("refused", f"{r.status} {error.get('code') or error.get('type')}", 0.0, False))
+                return
+            queue_ms = float(r.headers.get("x-guard-queue-ms", "0"))
+            clamped = int(r.headers.get("x-guard-max-tokens", "0")) < body["max_tokens"]
+            async for _ in r.content.iter_any():
+                pass
+            out.append(("answered", "", queue_ms, clamped))
+    except aiohttp.ClientError as exc:
+        out.append(("failed", type(exc).__name__, 0.0, False))
+
+
+async def main() -> int:
+    key = client_key()
+    headers = {"authorization": f"Bearer {key}"} if key else {}
+    timeout = aiohttp.ClientTimeout(total=DEADLINE_S + 5)
+    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as s:
+        async with s.get(BASE + "/v1/models") as r:
+            if r.status != 200:
+                print(f"flood: GET /v1/models answered {r.status}: {await r.text()}", file=sys.stderr)
+                return 1
+            model_info = (await r.json())["data"][0]
+        model, context = model_info["id"], int(model_info.get("max_model_len") or 2048)
+        per = await tokens_of(s, model, SENTENCE * 8) / 8
+        long_prompt = SENTENCE * max(1, int(0.4 * context / per))
+        longer_prompt = SENTENCE * max(1, int(0.85 * context / per))
+        too_long = SENTENCE * (int(1.1 * context / per) + 1)
+        max_tokens = max(16, context // 16)
+        bodies = []
+        for i in range(COUNT):
+            prompt, limit = long_prompt, max_tokens
+            if i % 8 == 7:
+                prompt, limit = longer_prompt, context  # more than the context leaves: the gateway clamps it
+            if i == COUNT - 1 and COUNT > 2:
+                prompt = too_long  # over the context: refused before it reaches the engine
+            bodies.append({"model": model, "messages": [{"role": "user", "content": f"Request {i}. {prompt}"}],
+                           "max_tokens": limit, "stream": True, "ignore_eos": True})
+        print(f"flood: {COUNT} concurrent streamed chats to {model} (context {context} tokens): prompts of "
+              f"~{int(0.4 * context)} tokens, max_tokens {max_tokens}; every third at priority 1", flush=True)
+        out: list = []
+        started = time.monotonic()
+        tasks = [asyncio.ensure_future(one(s, b, 1 if i % 3 == 0 else 0, out)) for i, b in enumerate(bodies)]
+        done, pending = await asyncio.wait(tasks, timeout=DEADLINE_S)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    took = time.monotonic() - started
+    answered = [o for o in out if o[0] == "answered"]
+    waited = [o[2] for o in answered if o[2] >= 1.0]
+    refused: dict[str, int] = {}
+    for o in out:
+        if o[0] != "answered":
+            refused[o[1]] = refused.get(o[1], 0) + 1
+    print(f"flood: done in {took:.1f} s: {len(answered)} answered, {len(waited)} of them after waiting in the "
+          f"gateway's queue (longest {max(waited, default=0) / 1000:.1f} s), "
+          f"{sum(o[3] for o in answered)} with max_tokens clamped")
+    for reason, n in sorted(refused.items()):
+        print(f"flood: {n} refused or failed: {reason}")
+    if pending:
+        print(f"flood: {len(pending)} still running after {DEADLINE_S:.0f} s were cancelled")
+    return 0
+
+
+sys.exit(asyncio.run(main()))
+EOF
+}
+
+if [ "${1:-}" = "flood" ]; then
+    shift
+    flood "$@"
+    exit $?
+fi
+
 if [ "${1:-}" = "stop" ]; then
     if ! running vllm && ! running gateway; then
         say "no demo is running"
@@ -187,6 +318,7 @@ wait_ready vllm "$UPSTREAM/v1/models" "$VLLM_TIMEOUT"
 
 say "starting vllm-guard on http://$HOST:$PORT in front of $UPSTREAM"
 launch gateway "$VENV_BIN/vllm-guard" serve --upstream "$UPSTREAM" --host "$HOST" --port "$PORT"
+echo "$PORT" > "$STATE/gateway.port"  # for `demo.sh flood`
 wait_ready gateway "http://127.0.0.1:$PORT/health" 120
 
 BASE="http://127.0.0.1:$PORT/v1"
@@ -194,6 +326,7 @@ cat <<EOF
 
 vllm-guard is ready.
   base_url   $BASE   (point any OpenAI client here; model "$SERVED")
+  live page  http://127.0.0.1:$PORT/guard/ui   (KV budget, queue, admissions; then run: scripts/demo.sh flood)
   status     http://127.0.0.1:$PORT/guard/status   metrics http://127.0.0.1:$PORT/metrics
   logs       ${STATE#"$ROOT/"}/gateway.log, ${STATE#"$ROOT/"}/vllm.log
 

@@ -14,6 +14,8 @@ cd "$ROOT"
 # Prometheus and promtool for the deployment checks (Debian's package); where they cannot be installed,
 # those tests say so and skip.
 "$ROOT/scripts/install-prometheus.sh" || echo "test: Prometheus could not be installed; its checks will skip" >&2
+# Chromium for the live page's browser test (Debian's package); where it cannot be installed, that test skips.
+"$ROOT/scripts/install-chromium.sh" || echo "test: Chromium could not be installed; the browser test will skip" >&2
 
 PY="$ROOT/.venv/bin/python"
 failed=()

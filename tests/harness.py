@@ -11,11 +11,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
-
 from gateway.app import create_app
 from gateway.config import Settings
-from gateway.director import Parts
+from gateway.parts import Parts
+from gateway.server import build_server
 
 
 def free_port() -> int:
@@ -52,8 +51,8 @@ def run_gateway(settings: Settings, **overrides: Any) -> Iterator[GatewayServer]
     port = free_port()
     settings = settings.model_copy(update={"host": "127.0.0.1", "port": port, **overrides})
     app = create_app(settings)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", loop="asyncio")
-    server = uvicorn.Server(config)
+    # The production server and its connection limits; only the log level differs.
+    server = build_server(app, settings, log_level="warning")
     loop_box: list[asyncio.AbstractEventLoop] = []
 
     def run() -> None:

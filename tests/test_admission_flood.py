@@ -351,7 +351,7 @@ def test_a_request_larger_than_the_budget_is_rejected_with_both_numbers(
     r = httpx.post(gw.url + "/v1/completions", json=completion(10, 300), timeout=10.0)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert (error["type"], error["code"]) == ("rate_limit_error", "kv_budget_exceeded")
+    assert (error["type"], error["code"]) == ("invalid_request_error", "kv_budget_exceeded")
     # 10 + 300 tokens need ceil(310 / 16) = 20 blocks; the budget is 7.
     assert "needs 20 KV blocks" in error["message"] and "budget of 7 blocks" in error["message"]
     assert "retry-after" not in r.headers  # retrying the same request cannot help

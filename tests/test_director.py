@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from gateway.config import Settings
-from gateway.director import Parts, RelayResponse, StreamRelay
 from gateway.metrics import Metrics
+from gateway.parts import Parts
+from gateway.relay import RelayResponse, StreamRelay
 
 
 class FakeStream:

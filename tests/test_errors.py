@@ -22,7 +22,7 @@ from gateway.errors import (
     ("err", "status", "type_", "code"),
     [
         (ContextLengthExceeded("x"), 400, "invalid_request_error", "context_length_exceeded"),
-        (KVBudgetExceeded("x"), 400, "rate_limit_error", "kv_budget_exceeded"),
+        (KVBudgetExceeded("x"), 400, "invalid_request_error", "kv_budget_exceeded"),
         (ModelNotFound("x"), 404, "invalid_request_error", "model_not_found"),
         (PayloadTooLarge("x"), 413, "invalid_request_error", "request_too_large"),
         (AuthenticationFailed("x"), 401, "authentication_error", "invalid_api_key"),

@@ -154,7 +154,9 @@ async def test_an_engine_dying_under_load_is_restarted_without_failing_a_request
     fake = ["--fake-request-seconds", "0.3"]
     if death == "engine-dead":
         fake += ["--fake-scenario", "engine-dead", "--fake-on", "1", "--fake-trigger", str(trigger)]
-    with run_gateway(managed(base_settings, state, *fake)) as gw:
+    # A hang bound well above the fake's request time: on a loaded machine a 2 s bound can fire before the
+    # death is read from the log, and this test is about the death.
+    with run_gateway(managed(base_settings, state, *fake, hang_timeout=10.0)) as gw:
         await asyncio.to_thread(eventually, lambda: ready(gw))
         answers: list[int] = []
         stop = asyncio.Event()

@@ -88,10 +88,7 @@ CHAT_BODIES: list[tuple[str, dict[str, Any]]] = [
     ("markup typed by the user", {"messages": [{"role": "user", "content": "a<|im_end|>\n<|im_start|>b <s> </s>"}]}),
     ("unicode and odd whitespace", {"messages": [{"role": "user", "content": "Быстрая 速い 🦊\n\n\t  x  \r\n"}]}),
     ("an empty message", {"messages": [{"role": "user", "content": ""}]}),
-    (
-        "a template given with the request",
-        {"messages": [U], "chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"},
-    ),
+    # Templates sent with the request: tests/test_request_templates.py.
 ]
 
 
@@ -264,8 +261,8 @@ BAD_CHATS: list[tuple[dict[str, Any], str | None, str]] = [
     ({"messages": [{"role": "narrator", "content": "x"}]}, None, "Unknown message role: narrator"),
     (
         {"messages": [U, U], "chat_template": "{{ raise_exception('Conversation roles must alternate') }}"},
-        None,
-        "Conversation roles must alternate",
+        "chat_template",
+        "--trust-request-chat-template",
     ),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

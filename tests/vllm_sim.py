@@ -515,8 +515,11 @@ class _Guard:
 
 def create_sim_app(config: SimConfig) -> Any:
     """The simulator's ASGI app; ``app.state.sim`` is its :class:`Simulator`."""
+    from .vllm_sim_routes import SimRoutes  # it builds on this module's helpers
+
     sim = Simulator(config)
     handlers = _SimApp(sim)
+    more = SimRoutes(handlers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
@@ -531,6 +534,12 @@ def create_sim_app(config: SimConfig) -> Any:
         routes=[
             Route("/v1/chat/completions", handlers.chat, methods=["POST"]),
             Route("/v1/completions", handlers.completions, methods=["POST"]),
+            Route("/v1/responses", more.responses, methods=["POST"]),
+            Route("/v1/embeddings", more.embeddings, methods=["POST"]),
+            Route("/pooling", more.pooling, methods=["POST"]),
+            Route("/classify", more.classify, methods=["POST"]),
+            *(Route(path, more.score, methods=["POST"]) for path in ("/score", "/v1/score")),
+            *(Route(path, more.rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
             Route("/v1/models", handlers.models, methods=["GET"]),
             Route("/tokenize", handlers.tokenize, methods=["POST"]),
             Route("/detokenize", handlers.detokenize, methods=["POST"]),

@@ -1,0 +1,132 @@
+"""Secrets kept out of everything the gateway shows: credentials in URLs, API keys, log records.
+
+Every place that shows a URL passes it through ``redact_url``. Log records also pass through a
+``SecretRedactor`` installed at start-up (``install_log_redaction``), which replaces every configured secret
+and any URL credentials in any record, from any library: a second line of defence behind the first.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+if TYPE_CHECKING:  # config imports this module for its own messages
+    from .config import Settings
+
+REDACTED = "***"
+# Shorter secrets are not replaced everywhere: they would garble every log line, and a key that short is
+# guessable anyway. URLs with credentials are redacted whatever their length.
+MIN_SECRET_CHARS = 4
+
+# scheme://userinfo@ in free text; greedy up to the authority's last '@', as URL parsers read it.
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/?#\s\"'<>]*@")
+
+
+def redact_url(url: str) -> str:
+    """The URL with its user and password hidden: ``http://user:pw@host:8000`` -> ``http://***@host:8000``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # a malformed URL is still shown only redacted
+        return redact_urls_in(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{REDACTED}@{host}"))
+
+
+def redact_urls_in(text: str) -> str:
+    """``text`` with the credentials of every URL in it hidden."""
+    return _URL_USERINFO.sub(rf"\g<1>{REDACTED}@", text)
+
+
+def url_has_credentials(url: str) -> bool:
+    try:
+        return "@" in urlsplit(url).netloc
+    except ValueError:
+        return False
+
+
+def url_secrets(url: str) -> list[str]:
+    """The password of a URL, as written and percent-decoded (logs may show either)."""
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError:
+        return []
+    userinfo, at, _ = netloc.rpartition("@")
+    _, colon, password = userinfo.partition(":")
+    if not at or not colon or not password:
+        return []
+    return [password, unquote(password)]
+
+
+class SecretRedactor(logging.Filter):
+    """Replaces each secret, and every URL's credentials, with ``***``: in text, and in log records.
+
+    Usable as a ``logging.Filter`` on a handler or logger; ``install_log_redaction`` applies it to every record
+    created in the process instead, since handlers (uvicorn's own among them) come and go.
+    """
+
+    def __init__(self, secrets: Iterable[str]) -> None:
+        super().__init__()
+        kept = sorted({s for s in secrets if len(s) >= MIN_SECRET_CHARS}, key=len, reverse=True)
+        # Longest first, so that a secret containing another is replaced whole.
+        self._pattern = re.compile("|".join(re.escape(s) for s in kept)) if kept else None
+
+    @classmethod
+    def for_settings(cls, settings: Settings) -> SecretRedactor:
+        """Every secret ``settings`` holds: client, admin and upstream keys, the upstream URL's password."""
+        keys = [*settings.key_priorities(), *settings.api_key, *settings.admin_api_key]
+        if settings.upstream_api_key:
+            keys.append(settings.upstream_api_key)
+        return cls([*keys, *url_secrets(settings.upstream)])
+
+    def redact(self, text: str) -> str:
+        text = redact_urls_in(text)
+        return self._pattern.sub(REDACTED, text) if self._pattern is not None else text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.scrub(record)
+        return True
+
+    def scrub(self, record: logging.LogRecord) -> None:
+        """Redact the record's message (arguments merged in), its traceback and its stack, in place."""
+        try:
+            message = record.getMessage()
+        except Exception:
+            # A call whose arguments do not fit its format: logging reports it later, arguments included.
+            message = f"{record.msg} {record.args!r}"
+            record.msg, record.args = self.redact(message), ()
+        else:
+            redacted = self.redact(message)
+            if redacted != message:
+                record.msg, record.args = redacted, ()
+        if record.exc_info and not record.exc_text:
+            # Formatted here, as a formatter would, so that exception texts are redacted too.
+            record.exc_text = self.redact(_FORMATTER.formatException(record.exc_info))
+        elif record.exc_text:
+            record.exc_text = self.redact(record.exc_text)
+        if record.stack_info:
+            record.stack_info = self.redact(record.stack_info)
+
+
+_FORMATTER = logging.Formatter()
+
+
+def install_log_redaction(redactor: SecretRedactor) -> Callable[[], None]:
+    """Redact every log record from now on, whichever logger or handler it goes to; returns the undo."""
+    previous = logging.getLogRecordFactory()
+
+    def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = previous(*args, **kwargs)
+        redactor.scrub(record)
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+    def undo() -> None:
+        logging.setLogRecordFactory(previous)
+
+    return undo

@@ -1,0 +1,216 @@
+"""A misbehaving upstream: resets, hangs, garbage, a JSON array, gzip, broken and oddly framed streams, its own
+errors with Retry-After. The client always gets an answer in OpenAI's shape (a stream: whole events, and an
+error event only between events), and what the gateway sends upstream is exactly what the client sent."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from .checks import (
+    Case,
+    Target,
+    check_answer,
+    error_of,
+    event_data,
+    raw_exchange,
+    request_bytes,
+    sse_events,
+    statuses,
+)
+from .conftest import UPSTREAM_KEY
+from .rogue import Rogue
+
+UNAVAILABLE = statuses(502, 503)
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "tokenize": "/tokenize"}
+
+
+def body_for(route: str, mode: str, *, stream: bool = False, **extra: Any) -> dict[str, Any]:
+    tag = f"rogue:{mode}"
+    if route == "chat":
+        body: dict[str, Any] = {"model": "tiny", "messages": [{"role": "user", "content": tag}], "max_tokens": 3}
+    elif route == "completions":
+        body = {"model": "tiny", "prompt": tag, "max_tokens": 3}
+    else:
+        body = {"model": "tiny", "prompt": tag}
+    if stream:
+        body["stream"] = True
+    body.update(extra)
+    return body
+
+
+@dataclass(frozen=True)
+class Fault:
+    id: str
+    route: str
+    mode: str
+    status: frozenset[int]
+    code: str | None = None
+    retry_after: str | None = None
+    error_type: str | None = None
+
+    def case(self) -> Case:
+        return Case(self.id, status=self.status, code=self.code)
+
+
+ANSWERS = [
+    Fault("chat ok", "chat", "ok", statuses(200)),
+    Fault("chat reset before answering", "chat", "reset", UNAVAILABLE),
+    Fault("chat closed before answering", "chat", "close", UNAVAILABLE),
+    Fault("chat never answers", "chat", "hang", statuses(504), "upstream_timeout"),
+    Fault("chat answers html", "chat", "garbage", statuses(502), "bad_upstream_response"),
+    Fault("chat answers something not http", "chat", "not_http", statuses(502)),
+    Fault("chat answers a json array", "chat", "json_array", statuses(502), "bad_upstream_response"),
+    Fault("chat answers a json string", "chat", "json_scalar", statuses(502), "bad_upstream_response"),
+    Fault("chat answers json null", "chat", "json_null", statuses(502), "bad_upstream_response"),
+    Fault("chat answers an empty 200", "chat", "empty_200", statuses(502), "bad_upstream_response"),
+    Fault("chat answers gzip", "chat", "gzip", statuses(200)),
+    Fault("chat answer cut short", "chat", "truncated", UNAVAILABLE),
+    Fault("chat answer with broken chunking", "chat", "bad_chunked", statuses(502, 503)),
+    Fault("chat answer with a 70 KB header", "chat", "huge_header", statuses(502)),
+    Fault("chat 503 keeps its Retry-After", "chat", "error_503", statuses(503), retry_after="7"),
+    Fault("chat 429 keeps its Retry-After", "chat", "error_429", statuses(429), retry_after="3"),
+    Fault("chat 405 gets an OpenAI type", "chat", "error_405", statuses(405), error_type="invalid_request_error"),
+    Fault("chat 500 in plain text", "chat", "error_500_text", statuses(500, 502)),
+    Fault("chat 400 in vLLM's old flat shape", "chat", "error_400_flat", statuses(400)),
+    Fault("completions ok", "completions", "ok", statuses(200)),
+    Fault("completions reset", "completions", "reset", UNAVAILABLE),
+    Fault("completions never answers", "completions", "hang", statuses(504), "upstream_timeout"),
+    Fault("completions answers html", "completions", "garbage", statuses(502)),
+    Fault("completions answers a json array", "completions", "json_array", statuses(502)),
+    Fault("completions answers gzip", "completions", "gzip", statuses(200)),
+    Fault("completions 503 keeps its Retry-After", "completions", "error_503", statuses(503), retry_after="7"),
+    Fault("tokenize ok", "tokenize", "ok", statuses(200)),
+    Fault("tokenize reset", "tokenize", "reset", UNAVAILABLE),
+    Fault("tokenize never answers", "tokenize", "hang", statuses(504)),
+    Fault("tokenize answers gzip", "tokenize", "gzip", statuses(200)),
+    Fault("tokenize 503 keeps its Retry-After", "tokenize", "error_503", statuses(503), retry_after="7"),
+    Fault("tokenize 405 gets an OpenAI type", "tokenize", "error_405", statuses(405),
+          error_type="invalid_request_error"),
+    Fault("tokenize answer cut short", "tokenize", "truncated", UNAVAILABLE),
+]
+
+
+@pytest.mark.parametrize("fault", [pytest.param(f, id=f.id) for f in ANSWERS])
+def test_an_upstream_fault_becomes_a_clean_answer(rogue_gw: Target, fault: Fault) -> None:
+    r = rogue_gw.client.post(PATHS[fault.route], json=body_for(fault.route, fault.mode))
+    err = check_answer(r.status_code, r.content, fault.case())
+    if r.status_code == 200:
+        data = r.json()  # decoded: a gzip answer must not reach the client still compressed and mislabelled
+        assert isinstance(data, dict)
+    if fault.retry_after is not None:
+        assert r.headers.get("retry-after") == fault.retry_after
+    if fault.error_type is not None:
+        assert err is not None and err["type"] == fault.error_type
+    if err is not None:
+        assert UPSTREAM_KEY not in err["message"]
+    rogue_gw.still_well()
+
+
+@dataclass(frozen=True)
+class StreamFault:
+    id: str
+    route: str
+    mode: str
+    status: frozenset[int]
+    # Whether the relayed stream must end with an error event (then [DONE]).
+    ends_in_error: bool = False
+    retry_after: str | None = None
+
+
+STREAMS = [
+    StreamFault("stream ok", "chat", "ok", statuses(200)),
+    StreamFault("completion stream ok", "completions", "ok", statuses(200)),
+    StreamFault("stream broken mid-event", "chat", "broken_stream", statuses(200), ends_in_error=True),
+    StreamFault("completion stream broken mid-event", "completions", "broken_stream", statuses(200),
+                ends_in_error=True),
+    StreamFault("stream events split after data:", "chat", "split_stream", statuses(200)),
+    StreamFault("completion stream events split", "completions", "split_stream", statuses(200)),
+    StreamFault("stream framed with CRLF", "chat", "crlf_stream", statuses(200)),
+    StreamFault("stream without [DONE]", "chat", "stream_no_done", statuses(200)),
+    StreamFault("stream silent past the read timeout", "chat", "slow_stream", statuses(200, 504),
+                ends_in_error=True),
+    StreamFault("stream gzip-encoded", "chat", "gzip", statuses(200)),
+    StreamFault("stream answered as json", "chat", "stream_json", statuses(502)),
+    StreamFault("stream reset before answering", "chat", "reset", UNAVAILABLE),
+    StreamFault("stream never answers", "chat", "hang", statuses(504)),
+    StreamFault("stream 503 keeps its Retry-After", "chat", "error_503", statuses(503), retry_after="7"),
+]
+
+
+@pytest.mark.parametrize("fault", [pytest.param(f, id=f.id) for f in STREAMS])
+async def test_a_stream_is_relayed_in_whole_events_whatever_the_upstream_does(
+    rogue_gw: Target, fault: StreamFault
+) -> None:
+    body = json.dumps(body_for(fault.route, fault.mode, stream=True)).encode()
+    headers = {"content-type": "application/json", "connection": "close"}
+    r = await raw_exchange(rogue_gw.url, request_bytes("POST", PATHS[fault.route], headers, body))
+    assert r is not None, f"{fault.id}: no answer"
+    check_answer(r.status, r.body, Case(fault.id, status=fault.status))
+    if fault.retry_after is not None:
+        assert r.headers.get("retry-after") == fault.retry_after
+    if r.status != 200:
+        rogue_gw.still_well()
+        return
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert "content-encoding" not in r.headers
+    # Each write of the gateway holds whole events: a naive client reading one write at a time never sees half.
+    for chunk in r.chunks:
+        normalised = chunk.replace(b"\r\n", b"\n")
+        assert normalised.endswith(b"\n\n"), f"{fault.id}: a write ends inside an event: {chunk[-80:]!r}"
+    events = [event_data(e) for e in sse_events(r.body)]
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    if fault.ends_in_error:
+        assert errors, f"{fault.id}: the stream ended without an error event: {events}"
+        error_of(json.dumps(errors[-1]).encode())
+        assert events[-1] == "[DONE]"
+        assert events.index(errors[-1]) == len(events) - 2
+    else:
+        assert not errors, errors
+        assert any(isinstance(e, dict) and e.get("choices") for e in events)
+    rogue_gw.still_well()
+
+
+def test_the_client_key_and_cookies_never_reach_the_upstream(rogue_gw: Target, rogue: Rogue) -> None:
+    sent = {"x-api-key": "sk-client-own", "cookie": "session=abc", "authorization": "Bearer sk-client-own"}
+    for i, (path, route) in enumerate([("/tokenize", "tokenize"), ("/v1/chat/completions", "chat")]):
+        rid = f"forwarding-{i}"
+        r = rogue_gw.client.post(path, json=body_for(route, "ok"), headers={**sent, "x-request-id": rid})
+        assert r.status_code == 200, r.text
+        (seen,) = rogue.requests_with_id(rid)
+        assert "x-api-key" not in seen.headers and "cookie" not in seen.headers, seen.headers
+        assert seen.headers["authorization"] == f"Bearer {UPSTREAM_KEY}"
+    rogue_gw.still_well()
+
+
+EXACT = [
+    pytest.param("chat", {"seed": 2**64 + 1}, id="chat seed beyond 64 bits"),
+    pytest.param("chat", {"logit_bias": {"5": -(2**70)}, "top_p": 0.1}, id="chat big negative and a decimal"),
+    pytest.param("chat", {"user": "caf\u00e9 \u2603 \U0001f600 \\ \" \u0000"}, id="chat unicode and escapes"),
+    pytest.param("chat", {"metadata": {"a": [[[[[{"b": [1, 2.5e-300, None, True]}]]]]]}},
+                 id="chat nested pass-through"),
+    pytest.param("completions", {"seed": 2**64 + 1, "logprobs": 0}, id="completions seed beyond 64 bits"),
+    pytest.param("completions", {"prompt": [1, 2, 3], "seed": 2**100}, id="completions token ids and a 2^100 seed"),
+]
+
+
+@pytest.mark.parametrize(("route", "extra"), EXACT)
+def test_json_reaches_the_upstream_exactly(rogue_gw: Target, rogue: Rogue, route: str, extra: dict[str, Any]
+                                           ) -> None:
+    body = body_for(route, "ok", **extra)
+    rid = "exact-" + route + "-" + str(abs(hash(json.dumps(extra))) % 10**8)
+    r = rogue_gw.client.post(PATHS[route], content=json.dumps(body), headers={"x-request-id": rid,
+                                                                             "content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    (seen,) = rogue.requests_with_id(rid)
+    received = json.loads(seen.body)
+    for key in ("max_tokens", "max_completion_tokens"):
+        received.pop(key, None)
+        body.pop(key, None)
+    assert received == body
+    if "prompt" in extra:
+        assert received["prompt"] == extra["prompt"]
+    rogue_gw.still_well()
