@@ -179,7 +179,8 @@ def restart_figure(
     lat.scatter([r.start for r in lost], [r.end - r.start for r in lost], s=40, color="tab:red", marker="x",
                 label=f"lost ({len(lost)})")  # fmt: skip
     lat.set_title("Each request's latency, at the time it was sent (retries included)", fontsize=10)
-    lat.set_ylabel("latency (s)")
+    lat.set_ylabel("latency (s, log scale)")
+    lat.set_yscale("log")
     lat.set_xlabel("time since the load started (s)")
     for axes in (rate, lat):
         axes.axvline(killed_at, color="tab:red", linestyle="--", linewidth=1.2, label="engine killed (SIGKILL)")

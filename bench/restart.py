@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
@@ -63,6 +64,9 @@ class Load:
     outcomes: list[Outcome] = field(default_factory=list)
     retries_503: int = 0
     stop: bool = False
+    # Set once ``warm_after`` requests were answered: the load is steady.
+    warm_after: int = 1
+    warm: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def one(self, session: aiohttp.ClientSession) -> Outcome:
         started = time.monotonic()
@@ -86,6 +90,8 @@ class Load:
     async def client(self, session: aiohttp.ClientSession) -> None:
         while not self.stop:
             self.outcomes.append(await self.one(session))
+            if len(self.outcomes) >= self.warm_after:
+                self.warm.set()
 
 
 async def first_success_after(url: str, since: float, timeout: float) -> float | None:
@@ -155,16 +161,24 @@ def managed_gateway(model: Path, logs: Path) -> ServerProcess:
     return ServerProcess("managed gateway", argv, port, logs / "managed-gateway.log")
 
 
+async def steady(load: Load, seconds: float, cap_s: float = 120.0) -> None:
+    """Until the load is warm (at most ``cap_s``), then ``seconds`` more: vLLM's first answers are slow, slower
+    on a busy host, and a crash among them would measure a cold start, not recovery from steady load."""
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(load.warm.wait(), cap_s)
+    await asyncio.sleep(seconds)
+
+
 async def crash_under_load(gateway: ServerProcess, clients: int, which: str) -> dict[str, Any]:
     import os
     import signal
 
-    load = Load(gateway.url)
+    load = Load(gateway.url, warm_after=clients)
     timeout = aiohttp.ClientTimeout(total=REQUEST_DEADLINE + 60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         load_started = time.monotonic()
         tasks = [asyncio.create_task(load.client(session)) for _ in range(clients)]
-        await asyncio.sleep(5.0)  # warm, steady load before the crash
+        await steady(load, 5.0)  # 5 s of warm, steady load before the crash
         before = len(load.outcomes)
         status = await asyncio.to_thread(get_json, gateway.url + "/guard/status")
         victim = kill_target(status, which)

@@ -41,7 +41,7 @@ def load_page() -> bytes:
 
 def authorize(settings: Settings, request: Request) -> None:
     """The admin key when one is configured; else the client routes' rule. 401 otherwise."""
-    authenticate(settings, request, admin=bool(settings.admin_api_key))
+    authenticate(settings, request, admin=any(settings.admin_api_key))
 
 
 def page(html: bytes) -> Response:
