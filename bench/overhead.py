@@ -56,7 +56,7 @@ STREAM = {
 SIM_CODE = """
 import sys, uvicorn
 sys.path.insert(0, {root!r})
-from tests.vllm_sim import SimConfig, create_sim_app
+from tests.support.vllm_sim import SimConfig, create_sim_app
 app = create_sim_app(SimConfig(model="tiny", max_model_len=32768, num_blocks=1_000_000, block_size=16,
                                max_num_seqs=100_000))
 import gc
@@ -257,8 +257,8 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path, help="also write the results as markdown here")
     args = parser.parse_args()
 
-    from gateway.tinymodel import build_tokenizer
-    from gateway.tokens import bench_counting, load_tokenizer
+    from gateway.guard.counting.tokens import bench_counting, load_tokenizer
+    from gateway.tools.tinymodel import build_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     tok_dir = build_tokenizer(tmp / "tokenizer")

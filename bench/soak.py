@@ -7,7 +7,7 @@ after, and its ledger.
 The simulator and the gateway (a ``vllm-guard serve`` subprocess, with small connection limits so that slow
 clients are cut off within seconds) start on free ports. ``--clients`` client tasks then each start requests on
 a fixed schedule (``--rate`` per second in all), drawn from a seeded mix: ordinary chats, streams and
-completions, and the hostile cases of tests/hostile (malformed bodies, deep nesting, oversized bodies and
+completions, and the hostile cases of tests/integration/hostile (malformed bodies, deep nesting, oversized bodies and
 headers, bypass and traversal paths, wrong keys, bad guard headers, request templates, idle sockets, stalled
 headers, trickled bodies, clients that leave mid-stream). Each answer is checked against what the case
 expects. After the load the soak waits for idle connections to be closed, then measures again; the gateway's
@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.harness import free_port  # noqa: E402
-from tests.hostile.checks import closed_within, parse_raw, read_response, request_bytes  # noqa: E402
+from tests.integration.hostile.checks import closed_within, parse_raw, read_response, request_bytes  # noqa: E402
+from tests.support.harness import free_port  # noqa: E402
 
 KEY = "sk-soak-client"
 BODY_LIMIT = 64 * 1024
@@ -53,7 +53,7 @@ SIM_CODE = """
 import sys, uvicorn
 sys.path.insert(0, {root!r})
 from transformers import AutoTokenizer
-from tests.vllm_sim import SimConfig, create_sim_app
+from tests.support.vllm_sim import SimConfig, create_sim_app
 tok = AutoTokenizer.from_pretrained({tok!r})
 app = create_sim_app(SimConfig(model="tiny", root={tok!r}, tokenizer=tok, max_model_len=512, num_blocks=4096,
                                block_size=16, max_num_seqs=1024, token_delay=0.002))
@@ -405,7 +405,7 @@ def main() -> int:
     args = parser.parse_args()
     args.seconds = min(args.seconds, 600.0)
 
-    from gateway.tinymodel import build_tokenizer
+    from gateway.tools.tinymodel import build_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-soak-"))
     tok_dir = build_tokenizer(tmp / "tokenizer")

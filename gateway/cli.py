@@ -18,8 +18,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from . import __version__
-from .config import ENV_PREFIX, Settings, build_settings, load_config_file
+from gateway import __version__
+from gateway.config import ENV_PREFIX, Settings, build_settings, load_config_file
 
 # Short aliases of DESIGN.md's flag names where the field name differs.
 FLAG_ALIASES = {"api_key": "--api-key", "admin_api_key": "--admin-api-key"}
@@ -72,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="what fits on a GPU: weights, KV bytes per token, max_model_len")
     doctor = sub.add_parser("doctor", help="check GPU, stale processes, upstream and configuration")
     try:
-        from . import doctor as doctor_mod
-        from . import planner
+        from gateway.tools import doctor as doctor_mod
+        from gateway.tools import planner
 
         planner.add_plan_arguments(plan)
         doctor_mod.add_doctor_arguments(doctor)
@@ -104,11 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not argv or argv[0] != "serve":
         args = build_parser().parse_args(argv)
         if args.command == "plan":
-            from .planner import run_plan
+            from gateway.tools.planner import run_plan
 
             return run_plan(args)
         if args.command == "doctor":
-            from .doctor import run_doctor
+            from gateway.tools.doctor import run_doctor
 
             return run_doctor(args)
         return 2
@@ -127,9 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
-    from .app import create_app
-    from .redact import SecretRedactor, install_log_redaction
-    from .server import build_server
+    from gateway.http.app import create_app
+    from gateway.http.server import build_server
+    from gateway.redact import SecretRedactor, install_log_redaction
 
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -16,7 +16,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from .redact import redact_url, url_has_credentials
+from gateway.redact import redact_url, url_has_credentials
 
 ENV_PREFIX = "VLLM_GUARD_"
 

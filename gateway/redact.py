@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 if TYPE_CHECKING:  # config imports this module for its own messages
-    from .config import Settings
+    from gateway.config import Settings
 
 REDACTED = "***"
 # Shorter secrets are not replaced everywhere: they would garble every log line, and a key that short is

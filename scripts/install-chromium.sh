@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs Chromium (Debian's `chromium` package) for the live page's browser test, tests/test_ui_browser.py,
+# Installs Chromium (Debian's `chromium` package) for the live page's browser test, tests/integration/test_ui_browser.py,
 # which drives it headless. Idempotent: does nothing when a chromium binary is already on PATH.
 set -euo pipefail
 

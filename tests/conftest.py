@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.config import Settings
-from gateway.tinymodel import build_tokenizer
+from gateway.tools.tinymodel import build_tokenizer
 
 
 @pytest.fixture(scope="session")

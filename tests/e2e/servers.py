@@ -64,9 +64,9 @@ def vllm_unavailable_reason() -> str | None:
 
 def tiny_model_dir(max_position_embeddings: int = DEFAULT_MAX_MODEL_LEN) -> Path:
     """Where the tiny model for a context length lives, keyed on the builder's source so edits rebuild it."""
-    spec = importlib.util.find_spec("gateway.tinymodel")
+    spec = importlib.util.find_spec("gateway.tools.tinymodel")
     if spec is None or spec.origin is None:
-        raise RuntimeError("gateway.tinymodel is missing: it builds the tiny model the real vLLM serves")
+        raise RuntimeError("gateway.tools.tinymodel is missing: it builds the tiny model the real vLLM serves")
     digest = hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:12]
     return MODELS_DIR / f"tiny-ctx{max_position_embeddings}-{digest}"
 
@@ -83,7 +83,7 @@ def ensure_tiny_model(
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".building-", dir=MODELS_DIR))
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "gateway.tinymodel", str(staging), "--context", str(max_position_embeddings)],
+            [sys.executable, "-m", "gateway.tools.tinymodel", str(staging), "--context", str(max_position_embeddings)],
             cwd=ROOT,
             env=_offline_env(),
             capture_output=True,

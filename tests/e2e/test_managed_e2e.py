@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.guardian import group_pids
-from tests.procs import alive as _alive
+from gateway.managed.guardian import group_pids
+from tests.support.procs import alive as _alive
 
 from .servers import (
     DEFAULT_KV_CACHE_BYTES,

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.test_responses import CASES
+from tests.integration.test_responses import CASES
 
 from .servers import API_KEY, GATEWAY_MAX_MODEL_LEN, ServerProcess
 

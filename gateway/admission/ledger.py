@@ -1,0 +1,117 @@
+"""KV capacity and the block ledger.
+
+Capacity is counted in the engine's KV blocks. It comes from the engine itself
+(``vllm:cache_config_info``: ``num_gpu_blocks`` and ``block_size``) or, when the engine does not
+publish it, from ``--kv-blocks`` / ``--kv-tokens`` with ``--block-size`` (16, vLLM's GPU default, when
+that is unset too).
+
+The ledger counts the blocks reserved by admitted requests. Each reservation is an upper bound of what
+the request can ever allocate, so keeping the committed total within ``kv_target x capacity`` means the
+engine can never run out of blocks for the gateway's requests, even if every one runs to ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config import Settings
+from gateway.engine.live import EngineSnapshot
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Capacity:
+    blocks: int
+    block_size: int
+    source: str  # "engine" | "flags"
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+
+def capacity_from(snapshot: EngineSnapshot | None, settings: Settings) -> Capacity | None:
+    """The engine's published capacity, else the flags'; None when neither says."""
+    if snapshot is not None and snapshot.num_gpu_blocks and snapshot.block_size:
+        return Capacity(snapshot.num_gpu_blocks, snapshot.block_size, "engine")
+    # A block size the engine publishes beats the flag: it is the unit vLLM really allocates in.
+    engine_bs = snapshot.block_size if snapshot is not None else None
+    block_size = engine_bs or settings.block_size or DEFAULT_BLOCK_SIZE
+    if settings.kv_blocks is not None:
+        return Capacity(settings.kv_blocks, block_size, "flags")
+    if settings.kv_tokens is not None:
+        # A partial block cannot hold a sequence's tokens, so round down.
+        blocks = settings.kv_tokens // block_size
+        return Capacity(blocks, block_size, "flags") if blocks > 0 else None
+    return None
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks needed to hold ``tokens`` tokens (ceil)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if tokens <= 0:
+        return 0
+    return -(-tokens // block_size)
+
+
+def request_need(prompt_tokens: int, max_tokens: int, n: int, block_size: int) -> int:
+    """Most blocks a request can make the engine allocate: ``n x ceil((prompt + max_tokens) / block_size)``.
+
+    Each of the ``n`` sequences holds its prompt and its output in one run of blocks, so rounding is
+    once per sequence over prompt plus output. The prompt is counted once per sequence: vLLM shares
+    prompt blocks between the ``n`` sequences only through prefix caching, and only for full blocks
+    already computed, so sharing cannot be relied on; live usage lets the adaptive policy profit from
+    it when it happens. The one-token slack (the last sampled token is never written to the cache) is
+    kept as margin.
+    """
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    return n * blocks_for(max(0, prompt_tokens) + max(0, max_tokens), block_size)
+
+
+def blocks_in_use_at_least(prompt_tokens: int, generated: int, n: int, block_size: int) -> int:
+    """A lower bound of the blocks a running request holds after ``generated`` tokens over all its
+    sequences: each sequence holds its prompt's blocks, and all together hold every token."""
+    per_sequence = n * blocks_for(prompt_tokens, block_size)
+    together = blocks_for(n * prompt_tokens + max(0, generated), block_size)
+    return max(per_sequence, together)
+
+
+class Ledger:
+    """Committed blocks of the requests in flight. Never negative: a release without its commit is a bug."""
+
+    def __init__(self) -> None:
+        self._committed = 0
+        self._entries = 0
+
+    @property
+    def committed(self) -> int:
+        return self._committed
+
+    @property
+    def in_flight(self) -> int:
+        """Entries committed and not yet released."""
+        return self._entries
+
+    def commit(self, blocks: int) -> None:
+        if blocks < 0:
+            raise ValueError(f"cannot commit a negative number of blocks ({blocks})")
+        self._committed += blocks
+        self._entries += 1
+
+    def release(self, blocks: int) -> None:
+        if blocks < 0 or blocks > self._committed or self._entries == 0:
+            raise ValueError(
+                f"release of {blocks} blocks does not match the ledger "
+                f"({self._committed} blocks in {self._entries} entries)"
+            )
+        self._committed -= blocks
+        self._entries -= 1
+
+    def resize(self, old_blocks: int, new_blocks: int) -> None:
+        """Change one entry's size, e.g. when the engine's block size becomes known."""
+        if old_blocks > self._committed or new_blocks < 0:
+            raise ValueError(f"cannot resize an entry of {old_blocks} blocks to {new_blocks}")
+        self._committed += new_blocks - old_blocks

@@ -1,0 +1,404 @@
+"""The HTTP server: uvicorn with httptools, and a protocol that bounds what one connection may hold.
+
+uvicorn's own protocol keeps a fresh connection that sends nothing open forever, accepts headers of any size
+and number, answers parse errors in plain text (``Content-Length: 10^20`` included, as a 400), and caps
+connections only through ``limit_concurrency``, whose answer is plain text too. ``GuardProtocol`` adds, per
+connection and at no per-request cost beyond a few attribute updates:
+
+- an idle timeout from the moment the connection opens or its last response ends (closed silently);
+- a header timeout from the first byte of a request to the end of its headers (408);
+- limits on the size of the request line plus headers and on their number (431);
+- a ``Content-Length`` above ``--max-body-bytes``, absurd ones included, refused before the app runs (413);
+- a cap on open connections (503 with ``Retry-After``);
+- every refusal in OpenAI's JSON shape with ``connection: close``, then a short lingering close so that a
+  client still sending reads the answer instead of a reset.
+
+The body's limits hold with one rule (``body.BodyLimits``) in two places: ``body.read_body`` checks each chunk
+as it arrives, and the connection's timer cuts a body that stops arriving at all (noticing silence needs a
+timer, and one per request would cost more than reading the body). One timer per connection serves every
+phase: moving between phases only records a deadline, and the timer, when it fires, re-arms itself at the
+current one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, ClassVar, NoReturn
+
+import httptools
+import orjson
+import uvicorn
+from starlette.types import ASGIApp
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from gateway.config import Settings
+from gateway.errors import (
+    GatewayError,
+    HeadersTooLarge,
+    InvalidRequest,
+    PayloadTooLarge,
+    RequestTimeout,
+    TooManyConnections,
+)
+from gateway.http.body import BodyLimits, body_too_slow
+
+log = logging.getLogger(__name__)
+
+# Seconds a refused connection keeps reading (and discarding) after its answer, so that a client still
+# sending gets the answer rather than a reset; the client's own close ends it sooner.
+LINGER = 1.0
+
+# Headers every refusal has; an error's own headers (Retry-After) follow them.
+_WRITTEN = frozenset({"content-type", "content-length", "connection"})
+
+# Connection phases: what the one timer means when it fires.
+_IDLE, _HEAD, _BODY, _BUSY, _CLOSING = range(5)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """The limits of ``Settings`` that the protocol enforces (their meanings and defaults are there)."""
+
+    max_header_bytes: int
+    max_headers: int
+    header_timeout: float
+    keep_alive_timeout: float
+    max_connections: int
+    body: BodyLimits
+
+    @classmethod
+    def of(cls, settings: Settings) -> ConnectionLimits:
+        return cls(
+            max_header_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
+            header_timeout=settings.header_timeout,
+            keep_alive_timeout=settings.keep_alive_timeout,
+            max_connections=settings.max_connections,
+            body=BodyLimits.of(settings),
+        )
+
+
+class _Refused(Exception):
+    """Raised inside a parser callback to stop parsing; the refusal itself is in ``GuardProtocol._refusal``."""
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it. When the app answers a request whose body is still
+    arriving (a 413 or 408 from ``read_body``) and uvicorn closes the connection, closing at once would make the
+    kernel reset it over the unread bytes, and the client would often never read the answer: the close lingers
+    instead, as the protocol's own refusals do."""
+
+    __slots__ = ("_protocol", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        protocol = self._protocol
+        if protocol._phase == _BODY and self._transport.can_write_eof() and not self._transport.is_closing():
+            protocol._phase = _CLOSING  # from here on, what the client sends is discarded
+            self._transport.write_eof()
+            protocol.flow.resume_reading()
+            protocol._arm(_CLOSING, protocol.loop.time() + LINGER)
+            return
+        self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class GuardProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the limits above; ``protocol_class`` makes one bound to its limits."""
+
+    limits: ClassVar[ConnectionLimits]
+    _body_first: ClassVar[float]  # limits.body.due(0): seconds before a body that has not begun is late
+
+    # Slots keep the instance dict at uvicorn's own attributes: past 30 keys CPython stops sharing its keys,
+    # and every attribute access of the protocol, uvicorn's included, got slower (measured: +5 us a request).
+    __slots__ = (
+        "_begin_read_len", "_body_raw", "_body_start", "_content_length", "_deadline", "_deferred", "_head_raw",
+        "_messages", "_phase", "_read_len", "_refusal", "_timer", "_timer_at",
+    )
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._phase = _IDLE
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self._read_len = 0  # bytes of the read being parsed
+        self._begin_read_len = 0  # bytes of the read in which the current request began
+        self._head_raw = 0  # bytes of later reads that ended with the current request's head still incomplete
+        self._messages = 0  # requests begun on this connection
+        self._content_length: bytes | None = None
+        self._body_start = 0.0  # loop time the current request's head was complete
+        self._body_raw = 0  # bytes of reads that ended with the current request's body still incomplete
+        self._refusal: GatewayError | None = None
+        self._deferred: GatewayError | None = None  # a refusal waiting for the answer before it
+
+    # -- the one timer ----------------------------------------------------------------------------
+    def _arm(self, phase: int, deadline: float) -> None:
+        self._phase = phase
+        self._deadline = deadline
+        if self._timer is None or deadline < self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(deadline, self._on_timer)
+            self._timer_at = deadline
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        deadline = self._deadline
+        if deadline is None or self.parser is None:
+            return
+        if deadline - self.loop.time() > 0.005:  # the phase moved on since the timer was set
+            self._timer = self.loop.call_at(deadline, self._on_timer)
+            self._timer_at = deadline
+            return
+        if self._phase == _HEAD:
+            seconds = self.limits.header_timeout
+            self._refuse(RequestTimeout(f"The request line and headers did not arrive within {seconds:g} seconds."))
+        elif self._phase == _BODY:
+            self._body_late()
+        else:  # idle, or done lingering
+            self._deadline = None
+            self.transport.close()
+
+    # -- connection events ------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
+        limit = self.limits.max_connections
+        if len(self.connections) > limit:
+            self._refuse(TooManyConnections(
+                f"The gateway has its limit of {limit} connections open; retry shortly.", retry_after=1
+            ))
+            return
+        self._arm(_IDLE, self.loop.time() + self.limits.keep_alive_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._deadline = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        phase, messages = self._phase, self._messages
+        if phase == _CLOSING:
+            return
+        self._read_len = len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # The gateway serves no upgrades: as uvicorn does, the request was handed to the app as plain HTTP.
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+                return
+        except httptools.HttpParserError as exc:
+            refusal, self._refusal = self._refusal, None
+            self._refuse(refusal or _parse_error(exc, self.limits))
+            return
+        if self._phase == _BODY:
+            if self.cycle.more_body:
+                self._body_raw += len(data)
+            else:
+                self._phase = _BUSY
+                self._deadline = None
+        elif self._phase == _HEAD and phase == _HEAD and self._messages == messages:
+            # A whole read inside one head: bound the head here, or one endless header would grow in the
+            # parser's buffer unchecked (it reaches the protocol only once complete).
+            self._head_raw += len(data)
+            if self._head_raw > self.limits.max_header_bytes:
+                self.headers.clear()  # no app has this request's scope yet
+                self._refuse(_head_too_large(self._head_raw, self.limits))
+
+    def _body_late(self) -> None:
+        """The body's deadline passed: refuse it, unless the bytes since have earned a later one."""
+        body = self.limits.body
+        cycle = self.cycle
+        if cycle.response_started:  # answered without the rest of its body: nothing to wait for
+            self._deadline = None
+            return
+        deadline = self._body_start + body.due(self._body_raw)
+        now = self.loop.time()
+        if deadline - now > 0.005:
+            self._arm(_BODY, deadline)
+            return
+        self._refuse(body_too_slow(body, self._body_raw, now - self._body_start))
+
+    # -- parser callbacks -------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_raw = 0
+        self._begin_read_len = self._read_len
+        self._messages += 1
+        self._content_length = None
+        self._arm(_HEAD, self.loop.time() + self.limits.header_timeout)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        # uvicorn's, plus noting Content-Length: the one place that runs per header, so nothing more is done
+        # here; sizes are checked once the head is complete.
+        name = name.lower()
+        if name == b"content-length":
+            self._content_length = value
+        elif name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self._phase = _BUSY
+        self._deadline = None
+        limits = self.limits
+        # The head is no larger than the reads it came in: most heads come in one small read, and only a
+        # large read (a body along with it) needs the exact sum.
+        if self._head_raw + self._begin_read_len + self._read_len > limits.max_header_bytes:
+            size = len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
+            if size > limits.max_header_bytes:
+                self._refuse_head(_head_too_large(size, limits))
+        if len(self.headers) > limits.max_headers:
+            self._refuse_head(HeadersTooLarge(
+                f"The request has {len(self.headers)} headers; the limit is {limits.max_headers}."
+            ))
+        declared = self._content_length
+        if declared is not None and declared.strip().isdigit() and int(declared) > limits.body.max_bytes:
+            self._refuse_head(PayloadTooLarge(
+                f"The request body is {int(declared)} bytes (Content-Length); "
+                f"the limit is {limits.body.max_bytes} bytes."
+            ))
+        super().on_headers_complete()
+        # Until the body is whole (data_received sees it), the body's limits hold.
+        now = self.loop.time()
+        self._body_start = now
+        self._body_raw = 0
+        self._arm(_BODY, now + self._body_first)
+
+    def _refuse_head(self, error: GatewayError) -> NoReturn:
+        """Stop the parser from inside its callback; ``data_received`` answers ``error``."""
+        self.headers.clear()  # no app has this request's scope: free what a flood of headers holds now
+        self._refusal = error
+        raise _Refused
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, with the idle deadline in place of its per-response keep-alive timer.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        elif self._deferred is not None:
+            error, self._deferred = self._deferred, None
+            self._answer(error)
+        elif self._phase in (_BODY, _BUSY):  # not when the next request's head is already arriving
+            self._arm(_IDLE, self.loop.time() + self.limits.keep_alive_timeout)
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse(InvalidRequest(f"Malformed HTTP request: {msg}", code="malformed_request"))
+
+    # -- refusing ---------------------------------------------------------------------------------
+    def _refuse(self, error: GatewayError) -> None:
+        """Answer ``error`` in OpenAI's shape and close, whatever the connection was doing."""
+        if self._phase == _CLOSING or self.transport.is_closing():
+            return
+        log.debug("refused a connection from %s: %s %s", self.client, error.status, error.message)
+        self._phase = _CLOSING  # from here on, what the client sends is discarded
+        self._deadline = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            if not cycle.more_body:
+                # The request being answered arrived whole; the refusal is about what came after it (pipelined),
+                # so it follows that answer (and any requests queued before it).
+                self._deferred = error
+                return
+            # Its body was being read: the app's reads end and its writes are dropped from here on.
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if cycle.response_started:  # too late for an answer of our own
+                self.transport.close()
+                return
+        self._answer(error)
+
+    def _answer(self, error: GatewayError) -> None:
+        self.transport.write(self._render(error))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.flow.resume_reading()
+            self._arm(_CLOSING, self.loop.time() + LINGER)
+        else:
+            self.transport.close()
+
+    def _render(self, error: GatewayError) -> bytes:
+        body = orjson.dumps(error.body())
+        lines = [STATUS_LINE[error.status]]
+        lines.extend(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
+        lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
+        lines.extend(
+            f"{name}: {value}\r\n".encode("latin-1")
+            for name, value in error.headers.items()
+            if name.lower() not in _WRITTEN
+        )
+        lines.append(b"\r\n")
+        lines.append(body)
+        return b"".join(lines)
+
+
+def _head_too_large(size: int, limits: ConnectionLimits) -> HeadersTooLarge:
+    return HeadersTooLarge(
+        f"The request line and headers are at least {size} bytes; the limit is {limits.max_header_bytes} bytes."
+    )
+
+
+def _parse_error(exc: httptools.HttpParserError, limits: ConnectionLimits) -> GatewayError:
+    reason = str(exc)
+    if reason == "Content-Length overflow":
+        return PayloadTooLarge(
+            f"The request body's Content-Length is beyond any limit; the limit is {limits.body.max_bytes} bytes."
+        )
+    if isinstance(exc, httptools.HttpParserCallbackError) or not reason:
+        # uvicorn's own reading of the head failed (a URL it cannot parse, say): the parser's words for that
+        # ("User callback error") would tell the client nothing.
+        log.debug("request head refused by uvicorn", exc_info=exc.__context__)
+        reason = "the request line or headers cannot be read"
+    return InvalidRequest(f"Malformed HTTP request: {reason}.", code="malformed_request")
+
+
+def protocol_class(limits: ConnectionLimits) -> type[GuardProtocol]:
+    """uvicorn builds one protocol per connection from a class: this one carries ``limits``."""
+    return type("GuardProtocol", (GuardProtocol,), {"limits": limits, "_body_first": limits.body.due(0)})
+
+
+def server_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn configuration the gateway serves with; tests override only what a test needs (log level)."""
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "access_log": False,
+        "timeout_graceful_shutdown": 10,
+        "lifespan": "on",
+        "loop": "auto",  # uvloop when installed
+        "http": protocol_class(ConnectionLimits.of(settings)),
+        "ws": "none",  # the gateway serves no websockets: one protocol less to reach
+        # The gateway does not read forwarded-for headers nor needs Server/Date headers; each cost per request.
+        "proxy_headers": False,
+        "server_header": False,
+        "date_header": False,
+    }
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
+def build_server(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Server:
+    return uvicorn.Server(server_config(app, settings, **overrides))

@@ -1,0 +1,76 @@
+"""Run the real gateway app on a real socket (uvicorn in a thread) for integration tests and benchmarks."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.config import Settings
+from gateway.guard.parts import Parts
+from gateway.http.app import create_app
+from gateway.http.server import build_server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class GatewayServer:
+    url: str
+    app: Any
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def parts(self) -> Parts:
+        parts: Parts = self.app.state.parts
+        return parts
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run a coroutine function on the gateway's own loop (its parts belong to that loop)."""
+        return asyncio.run_coroutine_threadsafe(fn(*args), self.loop).result(10)
+
+    def status(self) -> dict[str, Any]:
+        async def get() -> dict[str, Any]:
+            return self.parts.admission.status()
+
+        result: dict[str, Any] = self.call(get)
+        return result
+
+
+@contextmanager
+def run_gateway(settings: Settings, **overrides: Any) -> Iterator[GatewayServer]:
+    port = free_port()
+    settings = settings.model_copy(update={"host": "127.0.0.1", "port": port, **overrides})
+    app = create_app(settings)
+    # The production server and its connection limits; only the log level differs.
+    server = build_server(app, settings, log_level="warning")
+    loop_box: list[asyncio.AbstractEventLoop] = []
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        loop_box.append(loop)
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.serve())
+        loop.close()
+
+    thread = threading.Thread(target=run, name=f"gateway-{port}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the gateway did not start")
+        time.sleep(0.01)
+    try:
+        yield GatewayServer(f"http://127.0.0.1:{port}", app, loop_box[0])
+    finally:
+        server.should_exit = True
+        thread.join(30)

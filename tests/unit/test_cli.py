@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gateway.cli import _field_flag, build_parser, main, parse_serve
+from gateway.config import Settings
+from tests.support.paths import ROOT
+
+README = (ROOT / "README.md").read_text()
+FIELDS = [name for name in Settings.model_fields if name != "vllm_args"]
+
+
+@pytest.mark.parametrize("name", FIELDS)
+def test_every_setting_is_a_documented_flag(name: str) -> None:
+    flag = _field_flag(name)
+    assert f"`{flag}`" in README, f"{flag} is missing from README's flags table"
+    assert f"VLLM_GUARD_{name.upper()}" in README
+
+
+def test_serve_help_explains_every_flag() -> None:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    text = serve.format_help()
+    for name in FIELDS:
+        assert _field_flag(name) in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "expected"),
+    [
+        (["serve", "--upstream", "http://h:1", "--kv-target", "0.5"], {}, {"upstream": "http://h:1", "kv_target": 0.5}),
+        (["serve", "--api-key", "a", "--api-key", "b=3"], {}, {"api_key": ["a", "b=3"]}),
+        (["serve"], {"VLLM_GUARD_MAX_QUEUE": "9"}, {"max_queue": 9}),
+        (["serve", "--max-queue", "4"], {"VLLM_GUARD_MAX_QUEUE": "9"}, {"max_queue": 4}),
+        (
+            ["serve", "--managed", "--model", "m", "--", "--dtype", "float32", "--max-num-seqs", "8"],
+            {},
+            {"managed": True, "model": "m", "vllm_args": ["--dtype", "float32", "--max-num-seqs", "8"]},
+        ),
+        (["serve", "--on-prompt-overflow", "truncate"], {}, {"on_prompt_overflow": "truncate"}),
+    ],
+)
+def test_serve_flags_build_the_settings(argv: list[str], env: dict[str, str], expected: dict[str, object]) -> None:
+    settings = parse_serve(argv, env)
+    for key, value in expected.items():
+        assert getattr(settings, key) == value
+
+
+def test_a_config_file_is_read_and_flags_win(tmp_path: Path) -> None:
+    cfg = tmp_path / "guard.yaml"
+    cfg.write_text("max-queue: 3\nport: 9000\n")
+    settings = parse_serve(["serve", "--config", str(cfg), "--port", "9100"], {})
+    assert (settings.max_queue, settings.port) == (3, 9100)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["serve", "--kv-target", "3"], "--kv-target"),
+        (["serve", "--managed"], "--managed needs --model"),
+        (["serve", "--upstream", "localhost:8000"], "http(s) URL"),
+    ],
+)
+def test_invalid_settings_exit_2_with_a_clear_message(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_an_unknown_choice_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--on-prompt-overflow", "drop"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["plan", "doctor"])
+def test_plan_and_doctor_have_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    assert "usage: vllm-guard " + command in capsys.readouterr().out
