@@ -257,7 +257,8 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path, help="also write the results as markdown here")
     args = parser.parse_args()
 
-    from gateway.guard.counting.tokens import bench_counting, load_tokenizer
+    from bench.counting import bench_counting
+    from gateway.guard.counting import load_tokenizer
     from gateway.tools.tinymodel import build_tokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-overhead-"))

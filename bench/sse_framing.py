@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.http.sse import SSEFramer
+from gateway.engine.sse import SSEFramer
 
 EVENT = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"delta":{"content":"ab"}}]}\n\n'
 

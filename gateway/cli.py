@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from gateway import __version__
 from gateway.config import ENV_PREFIX, Settings, build_settings, load_config_file
 
-# Short aliases of DESIGN.md's flag names where the field name differs.
+# Short flag names (as the README documents them) where the Settings field name differs.
 FLAG_ALIASES = {"api_key": "--api-key", "admin_api_key": "--admin-api-key"}
 
 

@@ -1,6 +1,6 @@
 """Every Prometheus collector of the gateway, on its own registry, with small ``record_*`` helpers.
 
-Names follow DESIGN.md: ``vllm_guard_*``, units in names, counters end in ``_total``.
+Names: ``vllm_guard_*``, units in names, counters end in ``_total`` (Prometheus naming practice).
 One ``Metrics`` object per app (no module-level registry), so tests and several apps never collide.
 """
 

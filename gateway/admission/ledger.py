@@ -12,12 +12,12 @@ engine can never run out of blocks for the gateway's requests, even if every one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from gateway.config import Settings
 from gateway.engine.live import EngineSnapshot
-
-DEFAULT_BLOCK_SIZE = 16
+from gateway.engine.vllm_api.defaults import DEFAULT_BLOCK_SIZE
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,23 @@ def capacity_from(snapshot: EngineSnapshot | None, settings: Settings) -> Capaci
         blocks = settings.kv_tokens // block_size
         return Capacity(blocks, block_size, "flags") if blocks > 0 else None
     return None
+
+
+def budget_blocks(cap: Capacity, kv_target: float) -> int:
+    """The budget ``B = floor(kv_target x capacity)`` the ledger keeps the committed total within."""
+    # The epsilon keeps 0.3 x 10 from flooring to 2.
+    return math.floor(kv_target * cap.blocks + 1e-9)
+
+
+def too_large_message(prompt_tokens: int, max_tokens: int, n: int, need: int, cap: Capacity, kv_target: float) -> str:
+    """Why a request that needs more than the whole budget is refused, with both numbers."""
+    budget = budget_blocks(cap, kv_target)
+    return (
+        f"This request needs {need} KV blocks ({need * cap.block_size} tokens: n={n} x "
+        f"({prompt_tokens} prompt + {max_tokens} max_tokens) in blocks of {cap.block_size}), more than "
+        f"the engine's whole KV budget of {budget} blocks ({budget * cap.block_size} tokens = "
+        f"kv_target {kv_target:g} x {cap.blocks} blocks). Lower max_tokens, n or the prompt."
+    )
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

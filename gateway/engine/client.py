@@ -16,6 +16,7 @@ import orjson
 from yarl import URL
 
 from gateway.config import Settings
+from gateway.engine.vllm_api import upstream_error_from
 from gateway.errors import BadUpstreamResponse, GatewayError, UpstreamTimeout, UpstreamUnavailable
 from gateway.redact import redact_url, redact_urls_in
 
@@ -221,8 +222,6 @@ class Upstream:
 
     async def tokenize(self, payload: dict[str, Any]) -> dict[str, Any]:
         """The upstream's /tokenize, for counting when no local tokenizer can be loaded."""
-        from gateway.errors import upstream_error_from
-
         reply = await self.request(
             "POST", "/tokenize", body=orjson.dumps(payload), headers={"content-type": "application/json"},
             timeout=30.0,

@@ -3,37 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
 from gateway.admission.controller import Admission
 from gateway.config import Settings
-from gateway.engine.client import Upstream
-from gateway.engine.live import EngineView
+from gateway.engine.engine import Engine
 from gateway.guard.models import Models
 from gateway.metrics import Metrics
 from gateway.observe.history import Sampler
 
-
-class EngineState(Protocol):
-    """What the request path needs of a managed engine (the supervisor)."""
-
-    state: str
-
-    def retry_after(self) -> float: ...
-
-    async def failure_noticed(self) -> bool: ...
+if TYPE_CHECKING:  # imported only in managed mode: it loads the GPU and process tooling
+    from gateway.managed.supervisor import Supervisor
 
 
 @dataclass(slots=True)
 class Parts:
+    """The gateway's parts: the engine it guards, the admission that books its KV blocks, and, in managed
+    mode, the supervisor that runs it."""
+
     settings: Settings
     metrics: Metrics
-    upstream: Upstream
-    models: Models
+    engine: Engine[Models]
     admission: Admission
-    supervisor: EngineState | None = None
-    engine: EngineView | None = None
+    supervisor: Supervisor | None = None  # managed mode only
     sampler: Sampler | None = None  # the live page's history (/guard/ui)
+
+    @property
+    def models(self) -> Models:
+        return self.engine.models
 
 
 @dataclass(slots=True)

@@ -32,10 +32,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from gateway.config import PromptOverflowPolicy
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guard.policy import Limits
-from gateway.guard.protocol import is_int, json_type, model_field
+from gateway.guard.prompts import is_int, json_type
+from gateway.guard.protocol import model_field
 
 if TYPE_CHECKING:
-    from gateway.guard.counting.tokens import Counter
+    from gateway.guard.counting import Counter
 
 PoolingRoute = Literal["embeddings", "pooling", "classify", "score", "rerank"]
 PROMPT_FIELDS = ("input", "messages")

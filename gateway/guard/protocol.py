@@ -1,7 +1,7 @@
 """The OpenAI request shapes the gateway reads. Everything else in a body passes through untouched.
 
 Parsing checks only the fields the gateway acts on (types and sane ranges); the engine validates the rest
-and its answer is relayed.
+and its answer is relayed. The checks of the fields a prompt is made of are shared with counting (``prompts``).
 """
 
 from __future__ import annotations
@@ -11,12 +11,22 @@ from typing import Any, Literal
 
 from gateway import jsonio
 from gateway.errors import InvalidRequest
+from gateway.guard.prompts import (
+    Prompt,
+    flag,
+    is_ids,
+    is_int,
+    json_type,
+    messages_of,
+    optional_list,
+    optional_object,
+    prompt_list,
+    prompt_shape_error,
+)
 
 Route = Literal["chat", "completions", "responses"]
 # OpenAI's own cap on n; far beyond it a request is a mistake, not a workload.
 MAX_N = 128
-
-Prompt = str | list[int]
 
 
 @dataclass(slots=True)
@@ -54,40 +64,11 @@ def decode_json(raw: bytes) -> dict[str, Any]:
 
 
 def parse_chat(body: dict[str, Any]) -> GuardedRequest:
-    messages = body.get("messages")
-    if not isinstance(messages, list):
-        raise InvalidRequest(
-            f"'messages' must be a list of message objects, not {json_type(messages)}.", param="messages"
-        )
-    if not messages:
-        raise InvalidRequest("'messages' must contain at least one message.", param="messages")
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise InvalidRequest(
-                f"messages[{i}] must be an object, not {json_type(m)}.", param=f"messages[{i}]"
-            )
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"messages[{i}] needs a 'role' string.", param=f"messages[{i}].role")
-        content = m.get("content")
-        if content is not None and not isinstance(content, str | list):
-            raise InvalidRequest(
-                f"messages[{i}].content must be a string, a list of content parts or null, "
-                f"not {json_type(content)}.",
-                param=f"messages[{i}].content",
-            )
-    for name in ("tools", "chat_template_kwargs"):
-        value = body.get(name)
-        expected = list if name == "tools" else dict
-        if value is not None and not isinstance(value, expected):
-            raise InvalidRequest(
-                f"'{name}' must be {'a list' if expected is list else 'an object'}, not {json_type(value)}.",
-                param=name,
-            )
+    messages_of(body)
+    optional_list(body.get("tools"), "tools")
+    optional_object(body.get("chat_template_kwargs"), "chat_template_kwargs")
     for name in ("add_generation_prompt", "continue_final_message"):
-        value = body.get(name)
-        if value is not None and not isinstance(value, bool):
-            raise InvalidRequest(f"'{name}' must be a boolean, not {json_type(value)}.", param=name)
+        flag(body, name, False)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"))
     return GuardedRequest(
         route="chat", body=body, model=model_field(body), stream=_stream(body), n=_n(body, "chat"),
@@ -115,26 +96,18 @@ def parse_responses(body: dict[str, Any]) -> GuardedRequest:
 
 def parse_completion(body: dict[str, Any]) -> GuardedRequest:
     raw = body.get("prompt")
-    prompts: list[Prompt]
+    prompts = [list(p) if isinstance(p, list) else p for p in prompt_list(raw)]
     kind: Literal["text", "texts", "ids", "ids_list"]
     if isinstance(raw, str):
-        prompts, kind = [raw], "text"
-    elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
-        prompts, kind = list(raw), "texts"
-    elif isinstance(raw, list) and raw and all(is_int(t) for t in raw):
-        prompts, kind = [list(raw)], "ids"
-    elif (
-        isinstance(raw, list)
-        and raw
-        and all(isinstance(p, list) and p and all(is_int(t) for t in p) for p in raw)
-    ):
-        prompts, kind = [list(p) for p in raw], "ids_list"
-    else:
-        raise InvalidRequest(
-            "'prompt' must be a string, a non-empty list of strings, a list of token ids, or a list of "
-            f"non-empty token id lists; got {json_type(raw)}.",
-            param="prompt",
-        )
+        kind = "text"
+    elif is_ids(raw):
+        kind = "ids"
+    elif all(isinstance(p, str) for p in prompts):
+        kind = "texts"
+    elif all(isinstance(p, list) for p in prompts):
+        kind = "ids_list"
+    else:  # vLLM takes a list of prompts of one shape only
+        raise prompt_shape_error(raw)
     if body.get("suffix") is not None and not isinstance(body.get("suffix"), str):
         raise InvalidRequest("'suffix' must be a string.", param="suffix")
     return GuardedRequest(
@@ -214,23 +187,3 @@ def _positive_int(body: dict[str, Any], name: str, upper: int | None = None) -> 
     if upper is not None and value > upper:
         raise InvalidRequest(f"'{name}' must be at most {upper}; got {value}.", param=name)
     return int(value)
-
-
-def is_int(v: Any) -> bool:
-    return bool(isinstance(v, int) and not isinstance(v, bool))
-
-
-def json_type(v: Any) -> str:
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "a boolean"
-    if isinstance(v, int | float):
-        return "a number"
-    if isinstance(v, str):
-        return "a string"
-    if isinstance(v, list):
-        return "an empty list" if not v else "a list"
-    if isinstance(v, dict):
-        return "an object"
-    return type(v).__name__

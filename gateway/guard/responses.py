@@ -35,7 +35,7 @@ from typing import Any
 from gateway.config import PromptOverflowPolicy
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guard.policy import Limits
-from gateway.guard.protocol import json_type
+from gateway.guard.prompts import json_type
 
 # vLLM's schema for a custom (free-form text) tool, shown to the model as a one-argument function
 # (tool_parsers/utils.py: custom_tool_parameters).

@@ -14,7 +14,6 @@ from gateway.config import Settings
 from gateway.errors import PayloadTooLarge, RequestTimeout
 
 # The connection cannot be reused once a body is refused part-way: the rest of it would be read as a request.
-_CLOSE = {"connection": "close"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +45,7 @@ async def read_body(request: Request, limits: BodyLimits, clock: Callable[[], fl
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
         raise PayloadTooLarge(
-            f"The request body is {int(declared)} bytes; the limit is {limits.max_bytes} bytes.", headers=_CLOSE
+            f"The request body is {int(declared)} bytes; the limit is {limits.max_bytes} bytes.", close_connection=True
         )
     receive = request.receive
     start = clock()
@@ -63,7 +62,7 @@ async def read_body(request: Request, limits: BodyLimits, clock: Callable[[], fl
             size += len(chunk)
             if size > limits.max_bytes:
                 raise PayloadTooLarge(
-                    f"The request body exceeds the limit of {limits.max_bytes} bytes.", headers=_CLOSE
+                    f"The request body exceeds the limit of {limits.max_bytes} bytes.", close_connection=True
                 )
             chunks.append(chunk)
         elapsed = clock() - start
@@ -80,7 +79,7 @@ def body_too_slow(limits: BodyLimits, size: int, elapsed: float) -> RequestTimeo
             f"The request body arrives slower than {limits.min_rate:g} bytes per second ({size} bytes in "
             f"{elapsed:.1f} seconds); the minimum applies after {limits.grace:g} seconds."
         )
-    return RequestTimeout(message, headers=_CLOSE)
+    return RequestTimeout(message, close_connection=True)
 
 
 class DisconnectWatcher:

@@ -9,14 +9,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from gateway.engine.client import UpstreamStream, response_headers
-from gateway.errors import GatewayError, sse_error_events, upstream_error_from
-from gateway.guard.models import parse_models
+from gateway.engine.sse import SSEFramer
+from gateway.engine.vllm_api import parse_models, upstream_error_from
+from gateway.errors import GatewayError
 from gateway.guard.parts import Parts
-from gateway.guard.pipeline import request_id
 from gateway.guard.policy import effective_max_model_len
 from gateway.http.auth import authenticate
 from gateway.http.body import BodyLimits, read_body
-from gateway.http.sse import SSEFramer
+from gateway.http.context import request_id
+from gateway.http.errors import sse_error_events
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ _RESPONSE_DROP = frozenset({"set-cookie", "set-cookie2"})
 async def list_models(parts: Parts, request: Request) -> Response:
     rid = request_id(request)
     authenticate(parts.settings, request)
-    reply = await parts.upstream.request("GET", "/v1/models", timeout=10.0)
+    reply = await parts.engine.client.request("GET", "/v1/models", timeout=10.0)
     if reply.status != 200:
         raise upstream_error_from(reply.status, reply.body, reply.headers)
     info = parse_models(reply.body)
@@ -51,7 +52,7 @@ async def passthrough(parts: Parts, request: Request, path: str) -> Response:
         return Response(status_code=499)
     headers = dict(request.headers.items())
     headers["x-request-id"] = rid
-    stream = await parts.upstream.open(
+    stream = await parts.engine.client.open(
         request.method, path, body=body or None, headers=headers, params=dict(request.query_params)
     )
     if stream.status >= 400 and stream.headers.get("content-type", "").startswith("application/json"):

@@ -130,7 +130,7 @@ class RouteTable:
         if method != route.method:
             raise MethodNotAllowed(
                 f"Method {method} is not allowed on {route.path}; use {route.method}.",
-                headers={"allow": route.method},
+                allowed=route.method,
             )
         return route
 

@@ -5,26 +5,23 @@ and number, answers parse errors in plain text (``Content-Length: 10^20`` includ
 connections only through ``limit_concurrency``, whose answer is plain text too. ``GuardProtocol`` adds, per
 connection and at no per-request cost beyond a few attribute updates:
 
-- an idle timeout from the moment the connection opens or its last response ends (closed silently);
-- a header timeout from the first byte of a request to the end of its headers (408);
-- limits on the size of the request line plus headers and on their number (431);
-- a ``Content-Length`` above ``--max-body-bytes``, absurd ones included, refused before the app runs (413);
-- a cap on open connections (503 with ``Retry-After``);
+- an idle timeout from the connection's opening or its last response (closed silently), a header timeout
+  from a request's first byte to the end of its headers (408), bounds on the header bytes and count (431);
+- a ``Content-Length`` above ``--max-body-bytes``, absurd ones included, refused before the app runs (413),
+  and a cap on open connections (503 with ``Retry-After``);
 - every refusal in OpenAI's JSON shape with ``connection: close``, then a short lingering close so that a
   client still sending reads the answer instead of a reset.
 
-The body's limits hold with one rule (``body.BodyLimits``) in two places: ``body.read_body`` checks each chunk
-as it arrives, and the connection's timer cuts a body that stops arriving at all (noticing silence needs a
-timer, and one per request would cost more than reading the body). One timer per connection serves every
-phase: moving between phases only records a deadline, and the timer, when it fires, re-arms itself at the
-current one.
+The body's limits hold with one rule (``body.BodyLimits``) in two places: ``body.read_body`` checks each chunk,
+and the connection's one timer cuts a body that stops arriving (noticing silence needs a timer; one per request
+would cost more than reading the body). Moving between phases only records a deadline; the timer, when it
+fires, re-arms itself at the current one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 from typing import Any, ClassVar, NoReturn
 
 import httptools
@@ -44,7 +41,9 @@ from gateway.errors import (
     RequestTimeout,
     TooManyConnections,
 )
-from gateway.http.body import BodyLimits, body_too_slow
+from gateway.http.body import body_too_slow
+from gateway.http.errors import error_body, error_headers, status_and_type
+from gateway.http.limits import ConnectionLimits
 
 log = logging.getLogger(__name__)
 
@@ -57,29 +56,6 @@ _WRITTEN = frozenset({"content-type", "content-length", "connection"})
 
 # Connection phases: what the one timer means when it fires.
 _IDLE, _HEAD, _BODY, _BUSY, _CLOSING = range(5)
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectionLimits:
-    """The limits of ``Settings`` that the protocol enforces (their meanings and defaults are there)."""
-
-    max_header_bytes: int
-    max_headers: int
-    header_timeout: float
-    keep_alive_timeout: float
-    max_connections: int
-    body: BodyLimits
-
-    @classmethod
-    def of(cls, settings: Settings) -> ConnectionLimits:
-        return cls(
-            max_header_bytes=settings.max_header_bytes,
-            max_headers=settings.max_headers,
-            header_timeout=settings.header_timeout,
-            keep_alive_timeout=settings.keep_alive_timeout,
-            max_connections=settings.max_connections,
-            body=BodyLimits.of(settings),
-        )
 
 
 class _Refused(Exception):
@@ -312,7 +288,7 @@ class GuardProtocol(HttpToolsProtocol):
         """Answer ``error`` in OpenAI's shape and close, whatever the connection was doing."""
         if self._phase == _CLOSING or self.transport.is_closing():
             return
-        log.debug("refused a connection from %s: %s %s", self.client, error.status, error.message)
+        log.debug("refused a connection from %s: %s %s", self.client, status_and_type(error)[0], error.message)
         self._phase = _CLOSING  # from here on, what the client sends is discarded
         self._deadline = None
         cycle = self.cycle
@@ -340,13 +316,13 @@ class GuardProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _render(self, error: GatewayError) -> bytes:
-        body = orjson.dumps(error.body())
-        lines = [STATUS_LINE[error.status]]
+        body = orjson.dumps(error_body(error))
+        lines = [STATUS_LINE[status_and_type(error)[0]]]
         lines.extend(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
         lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
         lines.extend(
             f"{name}: {value}\r\n".encode("latin-1")
-            for name, value in error.headers.items()
+            for name, value in error_headers(error).items()
             if name.lower() not in _WRITTEN
         )
         lines.append(b"\r\n")

@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.engine.vllm_api import parse_metrics, parse_models, parse_version
+from gateway.errors import BadUpstreamResponse
 from gateway.gpu import GpuReport, parent_pid, pid_alive, query_gpus
 from gateway.redact import redact_url, redact_urls_in
 
@@ -145,38 +146,6 @@ def _process_findings(
 
 
 # -- upstream --------------------------------------------------------------------------------------
-def _quiet() -> contextlib.suppress:
-    # Malformed upstream bodies become missing facts, reported as findings, not tracebacks.
-    return contextlib.suppress(ValueError, AttributeError, TypeError)
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    out: list[int] = []
-    for part in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in part if ch.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
-def parse_engine_metrics(text: str) -> dict[str, Any]:
-    """The capacity and preemption figures doctor needs from vLLM's /metrics text."""
-    found: dict[str, Any] = {"any_vllm": False}
-    for family in text_string_to_metric_families(text):
-        if family.name.startswith("vllm:"):
-            found["any_vllm"] = True
-        for sample in family.samples:
-            if sample.name == "vllm:cache_config_info":
-                for key in ("block_size", "num_gpu_blocks", "kv_cache_size_tokens"):
-                    raw = sample.labels.get(key)
-                    if raw not in (None, "", "None"):
-                        found[key] = int(float(raw))
-            elif sample.name in ("vllm:num_preemptions_total", "vllm:num_preemptions"):
-                found["preemptions"] = found.get("preemptions", 0.0) + sample.value
-    return found
-
-
 async def probe_upstream(client: httpx.AsyncClient, url: str) -> tuple[UpstreamFacts, list[Finding]]:
     """Ask the upstream for /health, /version, /v1/models and /metrics; the report never shows the URL's
     credentials (a doctor report is pasted into issues and CI logs)."""
@@ -215,14 +184,11 @@ async def _get(client: httpx.AsyncClient, url: str) -> httpx.Response | None:
 
 async def _probe_version(client: httpx.AsyncClient, base: str, facts: dict[str, Any]) -> list[Finding]:
     resp = await _get(client, f"{base}/version")
-    version = None
-    if resp is not None and resp.status_code == 200:
-        with _quiet():
-            version = str(resp.json().get("version") or "") or None
+    version = parse_version(resp.content) if resp is not None and resp.status_code == 200 else None
     if version is None:
         return [Finding("version", "info", f"{base}/version gives no version; not a vLLM server, or a very old one")]
-    facts["version"] = version
-    if _version_tuple(version) < MIN_VLLM:
+    facts["version"] = version.text
+    if version.release < MIN_VLLM:
         return [Finding("version", "warning", f"vLLM {version} predates the V1 engine (0.10): capacity metrics and "
                         "error texts differ", "Upgrade vLLM to 0.10 or newer")]
     return [Finding("version", "ok", f"vLLM {version}")]
@@ -235,33 +201,29 @@ async def _probe_models(client: httpx.AsyncClient, base: str, facts: dict[str, A
     if resp.status_code == 401:
         return [Finding("models", "error", f"{base}/v1/models answers 401: the upstream wants an API key",
                         "Pass --upstream-api-key (the key vLLM was started with)")]
-    data: list[Any] = []
+    first = None
     if resp.status_code == 200:
-        with _quiet():
-            data = list(resp.json().get("data") or [])
-    if not data or not isinstance(data[0], dict):
+        # A body that is no model list is a missing fact, reported as a finding, not a traceback.
+        with contextlib.suppress(BadUpstreamResponse):
+            first = parse_models(resp.content).first
+    if first is None:
         return [Finding("models", "error", f"{base}/v1/models answers {resp.status_code} without a model",
                         "Check that the upstream is a vLLM OpenAI server")]
-    first = data[0]
-    facts["model"] = str(first.get("id"))
-    mml = first.get("max_model_len")
-    facts["max_model_len"] = int(mml) if isinstance(mml, int) else None
+    facts["model"] = first.id
+    facts["max_model_len"] = first.max_model_len
     return [Finding("models", "ok", f"serves {facts['model']!r}, max_model_len {facts['max_model_len']}")]
 
 
 async def _probe_metrics(client: httpx.AsyncClient, base: str, facts: dict[str, Any]) -> list[Finding]:
     resp = await _get(client, f"{base}/metrics")
-    parsed: dict[str, Any] = {}
-    if resp is not None and resp.status_code == 200:
-        with _quiet():
-            parsed = parse_engine_metrics(resp.text)
-    if not parsed.get("any_vllm"):
+    page = parse_metrics(resp.text) if resp is not None and resp.status_code == 200 else None
+    if page is None or not page.has_metrics:
         return [Finding("metrics", "warning", f"{base}/metrics has no vllm: metrics (--disable-log-stats?)",
                         "Drop --disable-log-stats, or give the gateway --kv-blocks and --block-size")]
-    facts["metrics_available"] = True
-    for key in ("block_size", "num_gpu_blocks", "kv_cache_size_tokens", "preemptions"):
-        if key in parsed:
-            facts[key] = parsed[key]
+    facts.update(
+        metrics_available=True, block_size=page.block_size, num_gpu_blocks=page.num_gpu_blocks,
+        kv_cache_size_tokens=page.kv_cache_size_tokens, preemptions=page.preemptions_total,
+    )
     return [Finding("metrics", "ok", "engine metrics available")]
 
 

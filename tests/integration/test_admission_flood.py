@@ -21,7 +21,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.admission.controller import Admission
+from gateway.admission import Admission
 from gateway.config import Settings
 from gateway.engine.live import EngineView
 from gateway.metrics import Metrics
@@ -605,6 +605,7 @@ async def test_a_hanging_scrape_does_not_freeze_the_exported_staleness() -> None
     await eventually(lambda: scrapes == 2, "the second scrape sent")
     now += 1.0
     status = admission.status()
+    admission.publish()  # what /metrics does before rendering
     page = metrics.render()[0].decode()
     assert status["engine"]["stale"] is True
     assert metric(page, "vllm_guard_engine_metrics_stale") == 1

@@ -11,8 +11,8 @@ import pytest
 
 from gateway.config import Settings
 from gateway.errors import ContextLengthExceeded, InvalidRequest, KVBudgetExceeded
-from gateway.guard.counting.tokens import LocalCounter
-from gateway.guard.pipeline import batch_sequences
+from gateway.guard.counting import LocalCounter
+from gateway.guard.planning import batch_sequences
 from gateway.guard.policy import Limits
 from gateway.guard.pooling import PARSERS, Chats, Pairs, Texts, fit_context
 from tests.support.harness import GatewayServer, run_gateway

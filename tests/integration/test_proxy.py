@@ -366,12 +366,12 @@ def test_tokenize_and_other_v1_routes_pass_through(gateway: GatewayServer) -> No
 def test_a_bug_in_the_gateway_is_a_500_with_no_internals(
     gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import gateway.guard.pipeline as director
+    from gateway.guard import planning
 
     async def broken(*args: Any) -> list[int]:
         raise RuntimeError("secret internal detail")
 
-    monkeypatch.setattr(director, "count", broken)
+    monkeypatch.setattr(planning, "count", broken)
     r = httpx.post(gateway.url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
     assert r.status_code == 500
     assert r.json()["error"]["code"] == "internal_error"

@@ -16,9 +16,10 @@ import pytest_asyncio
 
 from gateway.config import Settings
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.guard.counting import LocalCounter, RemoteCounter
 from gateway.guard.counting.chatformat import prepare_chat
 from gateway.guard.counting.templates import RequestTemplates, TemplateLimits, TemplateSandbox
-from gateway.guard.counting.tokens import LocalCounter, RemoteCounter
+from gateway.http.errors import status_and_type
 from tests.support.harness import GatewayServer, run_gateway
 from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
@@ -208,7 +209,7 @@ async def test_a_hostile_template_is_refused_and_the_worker_recovers(
         await counter.count_chat({"messages": [U], "chat_template": template})
     elapsed = time.monotonic() - t0
     assert message in info.value.message
-    assert info.value.status == 400 and info.value.param == "chat_template"
+    assert status_and_type(info.value)[0] == 400 and info.value.param == "chat_template"
     assert elapsed < LIMITS.kill_after
     await assert_healthy(counter, tokenizer)
 
@@ -317,7 +318,7 @@ async def test_a_worker_that_cannot_start_gives_a_server_error() -> None:
         for _ in range(2):  # and is tried again for the next request
             with pytest.raises(GatewayError, match="could not start") as info:
                 await sandbox.render(b"{}")
-            assert info.value.status == 500
+            assert status_and_type(info.value)[0] == 500
     finally:
         await sandbox.close()
 

@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from gateway.config import Settings
 from gateway.errors import PayloadTooLarge, RequestTimeout
 from gateway.http.body import BodyLimits, read_body
+from gateway.http.errors import error_headers
 from gateway.http.server import GuardProtocol, server_config
 from tests.support.harness import GatewayServer, run_gateway
 from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
@@ -474,7 +475,7 @@ async def test_read_body_refuses_a_body_too_slow_or_too_large_and_closes(
     with pytest.raises(error) as caught:
         await read_body(fake_request(messages, clock, declared), LIMITS, clock)
     assert words in str(caught.value)
-    assert getattr(caught.value, "headers", {}).get("connection") == "close"
+    assert caught.value.close_connection and error_headers(caught.value)["connection"] == "close"
 
 
 async def test_read_body_reports_a_client_that_went_away() -> None:

@@ -12,24 +12,20 @@ does not hand the request's messages to ``apply_chat_template`` as they arrive: 
   ``documents`` and ``reasoning_effort`` (values that are None or "auto" never override).
 
 Any difference changes the rendered text and so the count. This module validates shapes as it goes,
-raising ``InvalidRequest`` with the parameter path, so a bad body never reaches the template.
+raising ``InvalidRequest`` with the parameter path, so a bad body never reaches the template; the checks request
+parsing also makes (``gateway.guard.prompts``) are the same functions, so each mistake has one message.
+How a template takes message content is detected in ``content_format``.
 """
 
 from __future__ import annotations
 
 import json
-from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Any, Literal
-
-import jinja2
-import jinja2.nodes
+from typing import Any
 
 from gateway.errors import InvalidRequest
-
-ContentFormat = Literal["string", "openai"]
+from gateway.guard.counting.content_format import ContentFormat, detect_content_format
+from gateway.guard.prompts import flag, messages_of, optional_list, optional_object
 
 # Part types vLLM reads as text, and the key holding each one's text.
 _TEXT_PART_KEYS = {
@@ -72,40 +68,12 @@ class PreparedChat:
     add_special_tokens: bool
 
 
-def _bool_field(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be a boolean; got {type(value).__name__}", param=name)
-    return value
-
-
-def validate_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The request's messages, checked to be a non-empty list of objects with a string role."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("messages must be a non-empty array of message objects", param="messages")
-    for i, msg in enumerate(messages):
-        if not isinstance(msg, dict):
-            raise InvalidRequest(f"messages[{i}] must be an object; got {type(msg).__name__}", param=f"messages[{i}]")
-        role = msg.get("role")
-        if not isinstance(role, str) or not role:
-            raise InvalidRequest(f"messages[{i}].role must be a non-empty string", param=f"messages[{i}].role")
-    return messages
-
-
-def _text_parts(content: Any, where: str) -> list[tuple[str, dict[str, Any]]]:
+def _text_parts(content: str | list[Any] | None, where: str) -> list[tuple[str, dict[str, Any]]]:
     """(text, extra fields) for each text part of ``content``, in order; media parts raise MediaContent."""
     if content is None:
         return []
     if isinstance(content, str):
         return [(content, {})]
-    if not isinstance(content, list):
-        raise InvalidRequest(
-            f"{where} must be a string, an array of content parts or null; got {type(content).__name__}",
-            param=where,
-        )
     out: list[tuple[str, dict[str, Any]]] = []
     for j, part in enumerate(content):
         at = f"{where}[{j}]"
@@ -180,7 +148,10 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
 
 
 def convert_messages(messages: list[dict[str, Any]], content_format: ContentFormat) -> list[dict[str, Any]]:
-    """vLLM's ``parse_chat_messages`` for text content: the conversation its template receives."""
+    """vLLM's ``parse_chat_messages`` for text content: the conversation its template receives.
+
+    ``messages`` are as ``messages_of`` passed them (objects with a role and a string, list or null content).
+    """
     conversation: list[dict[str, Any]] = []
     for i, msg in enumerate(messages):
         role = msg["role"]
@@ -248,10 +219,9 @@ def developer_to_system(conversation: list[dict[str, Any]], chat_template: str) 
 
 def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
     """``[tool.model_dump() for tool in request.tools]`` of vLLM's ChatCompletionToolsParam."""
+    tools = optional_list(tools, "tools")
     if tools is None:
         return None
-    if not isinstance(tools, list):
-        raise InvalidRequest("tools must be an array of tool objects", param="tools")
     out = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -282,11 +252,7 @@ def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
 
 def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments vLLM's chat endpoint passes to ``apply_chat_template`` besides tools."""
-    user = body.get("chat_template_kwargs")
-    if user is None:
-        user = {}
-    if not isinstance(user, dict):
-        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    user = optional_object(body.get("chat_template_kwargs"), "chat_template_kwargs") or {}
     for reserved in ("chat_template", "tokenize", "conversation", "messages"):
         if reserved in user:
             raise InvalidRequest(
@@ -296,8 +262,8 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     if documents is not None and (not isinstance(documents, list) or not all(isinstance(d, dict) for d in documents)):
         raise InvalidRequest("documents must be an array of objects", param="documents")
     extra: dict[str, Any] = {
-        "add_generation_prompt": _bool_field(body, "add_generation_prompt", True),
-        "continue_final_message": _bool_field(body, "continue_final_message", False),
+        "add_generation_prompt": flag(body, "add_generation_prompt", True),
+        "continue_final_message": flag(body, "continue_final_message", False),
         "documents": documents,
         "reasoning_effort": body.get("reasoning_effort"),
     }
@@ -310,7 +276,7 @@ def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
 
 def prepare_chat(body: dict[str, Any], chat_template: str) -> PreparedChat:
     """Validate ``body`` and build the exact arguments vLLM renders ``chat_template`` with."""
-    messages = validate_messages(body)
+    messages = messages_of(body)
     if body.get("continue_final_message") and body.get("add_generation_prompt"):
         raise InvalidRequest(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
@@ -328,88 +294,5 @@ def prepare_chat(body: dict[str, Any], chat_template: str) -> PreparedChat:
         tools=tools,
         chat_template=chat_template,
         kwargs=kwargs,
-        add_special_tokens=_bool_field(body, "add_special_tokens", False),
+        add_special_tokens=flag(body, "add_special_tokens", False),
     )
-
-
-# -- content format detection (vLLM's _detect_content_format, ported) ------------------------------
-def _is_var(node: jinja2.nodes.Node, name: str) -> bool:
-    return isinstance(node, jinja2.nodes.Name) and node.ctx == "load" and node.name == name
-
-
-def _is_attr(node: jinja2.nodes.Node, name: str, key: str) -> bool:
-    if isinstance(node, jinja2.nodes.Getitem):
-        return _is_var(node.node, name) and isinstance(node.arg, jinja2.nodes.Const) and node.arg.value == key
-    if isinstance(node, jinja2.nodes.Getattr):
-        return _is_var(node.node, name) and node.attr == key
-    return False
-
-
-def _is_var_or_elems(node: jinja2.nodes.Node, name: str, key: str | None = None) -> bool:
-    if isinstance(node, jinja2.nodes.Filter):
-        return node.node is not None and _is_var_or_elems(node.node, name, key)
-    if isinstance(node, jinja2.nodes.Test):
-        return _is_var_or_elems(node.node, name, key)
-    if isinstance(node, jinja2.nodes.Getitem) and isinstance(node.arg, jinja2.nodes.Slice):
-        return _is_var_or_elems(node.node, name, key)
-    return _is_attr(node, name, key) if key else _is_var(node, name)
-
-
-def _message_loop_vars(root: jinja2.nodes.Template) -> Iterator[str]:
-    names = ["messages"]
-    queue = deque(["messages"])
-    while queue:
-        current = queue.popleft()
-        for assign in root.find_all(jinja2.nodes.Assign):
-            if _is_var_or_elems(assign.node, current) and isinstance(assign.target, jinja2.nodes.Name):
-                names.append(assign.target.name)
-                if assign.target.name != current:
-                    queue.append(assign.target.name)
-    for loop in root.find_all(jinja2.nodes.For):
-        if any(_is_var_or_elems(loop.iter, n) for n in names) and isinstance(loop.target, jinja2.nodes.Name):
-            yield loop.target.name
-
-
-def _iterates_content(root: jinja2.nodes.Template) -> bool:
-    message_vars = list(_message_loop_vars(root))
-    macro_params: dict[int, set[str]] = {}
-    in_macros: set[int] = set()
-    for macro in root.find_all(jinja2.nodes.Macro):
-        arg_names = {a.name for a in macro.args}
-        params: set[str] = set()
-        for call in root.find_all(jinja2.nodes.Call):
-            if not (isinstance(call.node, jinja2.nodes.Name) and call.node.name == macro.name):
-                continue
-            for i, arg in enumerate(call.args):
-                if i < len(macro.args) and any(_is_var_or_elems(arg, v, "content") for v in message_vars):
-                    params.add(macro.args[i].name)
-            for kw in call.kwargs:
-                if kw.key in arg_names and any(_is_var_or_elems(kw.value, v, "content") for v in message_vars):
-                    params.add(kw.key)
-        for loop in macro.find_all(jinja2.nodes.For):
-            in_macros.add(id(loop))
-            if params:
-                macro_params[id(loop)] = params
-    for loop in root.find_all(jinja2.nodes.For):
-        if any(_is_var_or_elems(loop.iter, v, "content") for v in message_vars):
-            return True
-        if isinstance(loop.iter, jinja2.nodes.Name):
-            if loop.iter.name in macro_params.get(id(loop), set()):
-                return True
-            if id(loop) not in in_macros and loop.iter.name == "content":
-                return True
-    return False
-
-
-@lru_cache(maxsize=32)
-def detect_content_format(chat_template: str) -> ContentFormat:
-    """Return "openai" when the template loops over message content (so it takes a list of parts), else "string"."""
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-
-    try:
-        compiled = _compile_jinja_template(chat_template)
-        root = compiled.environment.parse(chat_template)
-    except Exception:
-        # vLLM falls back to "string" when the template does not even parse; rendering will then fail.
-        return "string"
-    return "openai" if _iterates_content(root) else "string"

@@ -21,13 +21,12 @@ import json
 import os
 import resource
 import signal
-import struct
 import sys
 from collections.abc import Iterable
 from types import FrameType
 from typing import IO, Any
 
-FRAME = struct.Struct(">I")
+from gateway.guard.counting.template_wire import FRAME, template_error_reason
 
 
 class RenderTimeout(Exception):
@@ -95,7 +94,8 @@ class Renderer:
         # Imported before the address-space limit, which is counted from what these map.
         from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
 
-        from gateway.guard.counting.chatformat import convert_messages, detect_content_format, developer_to_system
+        from gateway.guard.counting.chatformat import convert_messages, developer_to_system
+        from gateway.guard.counting.content_format import detect_content_format
 
         self._compile = _compile_jinja_template
         self._render = render_jinja_template
@@ -129,20 +129,6 @@ class Renderer:
         if len(text) > job["max_chars"]:
             raise OutputTooLarge
         return text
-
-
-def template_error_reason(exc: BaseException) -> str:
-    """The most specific message in a template error's chain, as vLLM reports it."""
-    import jinja2
-
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, jinja2.TemplateError):
-            return str(current)
-        current = current.__cause__ or current.__context__
-    return str(exc)
 
 
 def on_alarm(signum: int, frame: FrameType | None) -> None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.guard.counting.chatformat import PreparedChat
-from gateway.guard.counting.template_worker import FRAME
+from gateway.guard.counting.template_wire import FRAME
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

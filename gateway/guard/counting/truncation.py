@@ -1,6 +1,7 @@
 """Chat truncation: fit a conversation into a token budget without making it invalid.
 
-Policy (DESIGN.md): keep the system messages and the newest turns; drop the oldest whole turns first
+Policy (README, "What the gateway does to a request"):
+keep the system messages and the newest turns; drop the oldest whole turns first
 (an assistant message with tool calls and the tool answers to it go together); when even the last turn
 is too long, cut text from the front of the oldest remaining text. The result always starts its
 non-system part with a user turn and is never empty. Counting is passed in, so the same algorithm runs

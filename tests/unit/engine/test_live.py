@@ -1,122 +1,15 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
-import orjson
 import pytest
 
-from gateway.engine.live import (
-    EngineSnapshot,
-    EngineView,
-    counter_increase,
-    parse_models,
-    parse_vllm_metrics,
-)
+from gateway.engine.live import EngineSnapshot, EngineView, counter_increase
 from gateway.metrics import Metrics
+from tests.support.paths import FIXTURES
 
-V1_TEXT = """\
-# HELP vllm:num_requests_running Number of requests in model execution batches.
-# TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
-# TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0
-vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
-vllm:num_preemptions_total{engine="0",model_name="tiny"} 9.0
-vllm:num_preemptions_created{engine="0",model_name="tiny"} 1.7630000e+09
-vllm:generation_tokens_total{engine="0",model_name="tiny"} 1234.0
-vllm:cache_config_info{block_size="128",cache_dtype="auto",enable_prefix_caching="True",engine="0",\
-gpu_memory_utilization="0.9",kv_cache_size_tokens="4096",num_cpu_blocks="None",num_gpu_blocks="32",\
-num_gpu_blocks_override="None"} 1.0
-python_gc_objects_collected_total{generation="0"} 123.0
-"""
-
-V0_TEXT = """\
-vllm:cache_config_info{block_size="16",cache_dtype="auto",gpu_memory_utilization="0.9",num_cpu_blocks="2048",\
-num_gpu_blocks="2000",sliding_window="None",swap_space_bytes="4294967296"} 1.0
-vllm:num_requests_running{model_name="m"} 2.0
-vllm:num_requests_swapped{model_name="m"} 0.0
-vllm:num_requests_waiting{model_name="m"} 0.0
-vllm:gpu_cache_usage_perc{model_name="m"} 0.5
-vllm:num_preemptions_total{model_name="m"} 0.0
-vllm:generation_tokens_total{model_name="m"} 10.0
-"""
-
-DISABLED_TEXT = """\
-# HELP python_gc_objects_collected_total Objects collected during gc
-python_gc_objects_collected_total{generation="0"} 1234.0
-process_resident_memory_bytes 1.2e+09
-"""
-
-TWO_ENGINES = """\
-vllm:num_requests_running{engine="0",model_name="m"} 2.0
-vllm:num_requests_running{engine="1",model_name="m"} 5.0
-vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.1
-vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7
-vllm:num_preemptions_total{engine="0",model_name="m"} 1.0
-vllm:num_preemptions_total{engine="1",model_name="m"} 2.0
-vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="100"} 1.0
-vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="100"} 1.0
-"""
-
-NOTHING: dict[str, Any] = {
-    "has_metrics": False, "kv_usage": None, "running": None, "waiting": None, "preemptions_total": None,
-    "generation_tokens_total": None, "num_gpu_blocks": None, "block_size": None,
-}
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        (V1_TEXT, {"has_metrics": True, "kv_usage": 0.25, "running": 3, "waiting": 1, "preemptions_total": 9.0,
-                   "generation_tokens_total": 1234.0, "num_gpu_blocks": 32, "block_size": 128}),
-        (V0_TEXT, {"has_metrics": True, "kv_usage": 0.5, "running": 2, "waiting": 0, "preemptions_total": 0.0,
-                   "generation_tokens_total": 10.0, "num_gpu_blocks": 2000, "block_size": 16}),
-        (DISABLED_TEXT, NOTHING),
-        ("", NOTHING),
-        ("\x00\xff garbage {{{ \n<html>502 Bad Gateway</html>\n", NOTHING),
-        (TWO_ENGINES, {**NOTHING, "has_metrics": True, "kv_usage": 0.7, "running": 7, "preemptions_total": 3.0,
-                       "num_gpu_blocks": 100, "block_size": 16}),
-    ],
-    ids=["v1", "v0", "disable-log-stats", "empty", "garbage", "two-engines"],
-)
-def test_parse_reads_what_admission_needs(text: str, expected: dict[str, Any]) -> None:
-    assert parse_vllm_metrics(text) == expected
-
-
-@pytest.mark.parametrize(
-    ("line", "key", "value"),
-    [
-        ('vllm:kv_cache_usage_perc{engine="0"} 0.3\nvllm:gpu_cache_usage_perc{engine="0"} 0.9', "kv_usage", 0.3),
-        ('vllm:kv_cache_usage_perc{engine="0"} 42', "kv_usage", 0.42),  # percent, not a fraction
-        ('vllm:kv_cache_usage_perc{engine="0"} NaN', "kv_usage", None),
-        ("vllm:num_requests_running 4 1700000000000", "running", 4),  # with a timestamp, no labels
-        ("vllm:num_requests_running{engine=\"0\"} not-a-number", "running", None),
-        ('vllm:num_requests_running{engine="0"', "running", None),  # cut off mid-line
-        ('vllm:cache_config_info{block_size="128",kv_cache_size_tokens="4096",num_gpu_blocks="None"} 1',
-         "num_gpu_blocks", 32),
-        ('vllm:cache_config_info{block_size="128",num_gpu_blocks="None"} 1', "num_gpu_blocks", None),
-        ('vllm:cache_config_info{block_size="None",num_gpu_blocks="32"} 1', "num_gpu_blocks", None),
-        ('vllm:cache_config_info{a="x \\" y",block_size="16",num_gpu_blocks="9"} 1', "num_gpu_blocks", 9),
-    ],
-)
-def test_parse_is_tolerant_of_odd_lines(line: str, key: str, value: object) -> None:
-    assert parse_vllm_metrics(line)[key] == value
-
-
-@pytest.mark.parametrize(
-    ("body", "expected"),
-    [
-        (b'{"object":"list","data":[{"id":"tiny","root":"/models/tiny","max_model_len":2048}]}',
-         {"max_model_len": 2048, "model_id": "tiny", "model_root": "/models/tiny"}),
-        (b'{"data":[{"id":"tiny"}]}', {"max_model_len": None, "model_id": "tiny", "model_root": None}),
-        (b'{"data":[]}', {"max_model_len": None, "model_id": None, "model_root": None}),
-        (b"<html>", {"max_model_len": None, "model_id": None, "model_root": None}),
-        (b'{"data":[{"max_model_len":true,"id":5}]}', {"max_model_len": None, "model_id": None, "model_root": None}),
-    ],
-)
-def test_parse_models_reads_the_first_model(body: bytes, expected: dict[str, Any]) -> None:
-    assert parse_models(body) == expected
+V1_TEXT = (FIXTURES / "vllm" / "v1-0.32.0" / "metrics.txt").read_text()
+DISABLED_TEXT = (FIXTURES / "vllm" / "v1-0.32.0-disable-log-stats" / "metrics.txt").read_text()
 
 
 @pytest.mark.parametrize(
@@ -129,9 +22,6 @@ def test_counter_increase(previous: float | None, current: float | None, increas
 
 
 # -- the view -------------------------------------------------------------------------------------
-MODELS = orjson.dumps({"data": [{"id": "tiny", "root": "/m/tiny", "max_model_len": 2048}]})
-
-
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -155,8 +45,6 @@ class FakeUpstream:
             raise ConnectionRefusedError("connect refused")
         if path == "/metrics":
             return self.metrics_status, self.metrics_text.encode()
-        if path == "/v1/models":
-            return 200, MODELS
         return 404, b"{}"
 
 
@@ -168,31 +56,27 @@ def sample(metrics: Metrics, name: str) -> float | None:
     return metrics.registry.get_sample_value(name)
 
 
-async def test_refresh_builds_a_snapshot_from_metrics_and_models() -> None:
+async def test_refresh_builds_a_snapshot_from_metrics() -> None:
     clock = FakeClock()
     view = make_view(FakeUpstream(), clock)
     assert not view.snapshot.ok and view.is_stale()
     snap = await view.refresh()
     assert snap == EngineSnapshot(
         taken_at=100.0, ok=True, has_metrics=True, kv_usage=0.25, running=3, waiting=1, preemptions_total=9.0,
-        generation_tokens_total=1234.0, num_gpu_blocks=32, block_size=128, max_model_len=2048,
-        model_id="tiny", model_root="/m/tiny",
+        generation_tokens_total=6789.0, num_gpu_blocks=32, block_size=128,
     )
     assert view.snapshot is snap and not view.is_stale()
 
 
-async def test_models_are_fetched_once_and_again_after_a_failed_scrape() -> None:
+async def test_the_view_scrapes_only_metrics_the_models_have_their_registry() -> None:
     upstream = FakeUpstream()
     view = make_view(upstream, FakeClock())
     await view.refresh()
-    await view.refresh()
-    assert upstream.calls == ["/metrics", "/v1/models", "/metrics"]
     upstream.down = True
     await view.refresh()
     upstream.down = False
-    upstream.calls.clear()
     await view.refresh()
-    assert upstream.calls == ["/metrics", "/v1/models"]
+    assert upstream.calls == ["/metrics"] * 3
 
 
 @pytest.mark.parametrize("failure", ["transport", "http-500"])
@@ -208,7 +92,7 @@ async def test_a_failed_scrape_keeps_static_facts_and_drops_live_ones(failure: s
     snap = await view.refresh()
     assert not snap.ok and not snap.has_metrics
     assert (snap.kv_usage, snap.running, snap.preemptions_total) == (None, None, None)
-    assert (snap.num_gpu_blocks, snap.block_size, snap.max_model_len, snap.model_id) == (32, 128, 2048, "tiny")
+    assert (snap.num_gpu_blocks, snap.block_size) == (32, 128)
     assert sample(metrics, "vllm_guard_engine_scrape_errors_total") == 1.0
 
 
@@ -216,7 +100,7 @@ async def test_disable_log_stats_gives_an_ok_snapshot_without_metrics() -> None:
     view = make_view(FakeUpstream(DISABLED_TEXT), FakeClock())
     snap = await view.refresh()
     assert snap.ok and not snap.has_metrics
-    assert (snap.kv_usage, snap.num_gpu_blocks, snap.max_model_len) == (None, None, 2048)
+    assert (snap.kv_usage, snap.num_gpu_blocks, snap.running) == (None, None, None)
 
 
 async def test_metrics_turn_stale_when_scrapes_stop_succeeding() -> None:

@@ -1,4 +1,4 @@
-"""Director pieces that are hard to reach over HTTP: a stream whose client is gone before its first byte."""
+"""Pipeline pieces that are hard to reach over HTTP: a stream whose client is gone before its first byte."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from typing import Any
 import pytest
 
 from gateway.config import Settings
+from gateway.engine.engine import Engine
+from gateway.guard import pipeline
+from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
-from gateway.http.relay import RelayResponse, StreamRelay
+from gateway.http.relay import EventStreamResponse
 from gateway.metrics import Metrics
 
 
@@ -27,6 +30,14 @@ class FakeStream:
         self.closed += 1
 
 
+class FakeUpstream:
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+
+    async def open(self, method: str, path: str, **kw: Any) -> FakeStream:
+        return self.stream
+
+
 class FakeReservation:
     def __init__(self) -> None:
         self.released: list[bool] = []
@@ -38,15 +49,20 @@ class FakeReservation:
         self.released.append(completed)
 
 
-def parts() -> Parts:
-    metrics = Metrics()
-    metrics.in_flight.inc()
-    return Parts(Settings(), metrics, None, None, None)  # type: ignore[arg-type]
+async def started_stream() -> tuple[EventStreamResponse, FakeStream, FakeReservation, Parts]:
+    stream, reservation = FakeStream(), FakeReservation()
+    parts = Parts(Settings(), Metrics(), Engine(FakeUpstream(stream), None, None), None)  # type: ignore[arg-type]
+    ctx = RequestContext("r1", "chat", "/v1/chat/completions", {})
+    answer = pipeline.exchange_with_engine(
+        parts, ctx, b"{}", Booking(1, 1, 1, stream=True), reservation  # type: ignore[arg-type]
+    )
+    head = await anext(answer)
+    assert isinstance(head, Reply)
+    return EventStreamResponse(answer, head.headers), stream, reservation, parts
 
 
 async def test_a_client_gone_before_the_first_byte_still_frees_everything_once() -> None:
-    p, stream, reservation = parts(), FakeStream(), FakeReservation()
-    response = RelayResponse(StreamRelay(p, "chat", stream, reservation), media_type="text/event-stream")  # type: ignore[arg-type]
+    response, stream, reservation, parts = await started_stream()
 
     async def receive() -> dict[str, Any]:
         return {"type": "http.disconnect"}
@@ -58,13 +74,19 @@ async def test_a_client_gone_before_the_first_byte_still_frees_everything_once()
     with pytest.raises(Exception):  # noqa: B017 - Starlette turns the OSError into ClientDisconnect
         await response(scope, receive, send)
     assert stream.closed == 1 and reservation.released == [False]
-    assert p.metrics.in_flight._value.get() == 0
+    assert parts.metrics.in_flight._value.get() == 0
+
+
+async def test_a_stream_whose_response_never_runs_is_freed_when_closed() -> None:
+    response, stream, reservation, parts = await started_stream()
+    await response.answer.aclose()
+    assert stream.closed == 1 and reservation.released == [False]
+    assert parts.metrics.in_flight._value.get() == 0
 
 
 async def test_a_finished_stream_is_freed_once_as_completed() -> None:
-    p, stream, reservation = parts(), FakeStream(), FakeReservation()
+    response, stream, reservation, _ = await started_stream()
     sent: list[dict[str, Any]] = []
-    response = RelayResponse(StreamRelay(p, "chat", stream, reservation), media_type="text/event-stream")  # type: ignore[arg-type]
 
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": b"", "more_body": False}

@@ -4,6 +4,7 @@ import pytest
 
 from gateway.errors import ContextLengthExceeded, MaxTokensExceeded
 from gateway.guard.policy import Limits, decide_max_tokens, decide_prompt, effective_max_model_len
+from gateway.http.errors import status_and_type
 
 L2048 = Limits(max_model_len=2048)
 
@@ -49,7 +50,7 @@ def test_reject_states_the_limit_and_the_count(limits: Limits, tokens: int, word
     with pytest.raises(ContextLengthExceeded) as info:
         decide_prompt(tokens, limits, "reject", None, "messages")
     err = info.value
-    assert err.status == 400 and err.code == "context_length_exceeded" and err.param == "messages"
+    assert status_and_type(err)[0] == 400 and err.code == "context_length_exceeded" and err.param == "messages"
     for word in words:
         assert word in err.message
 

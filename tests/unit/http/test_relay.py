@@ -3,9 +3,10 @@ error inside a stream is written only between events."""
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,11 +15,13 @@ import orjson
 import pytest
 
 from gateway.config import Settings
-from gateway.engine.client import decoder_for
+from gateway.engine.engine import Engine
+from gateway.engine.sse import PartialEvent, SSEFramer
 from gateway.errors import BadUpstreamResponse, UpstreamUnavailable
+from gateway.guard import pipeline
+from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
-from gateway.http.relay import StreamRelay, relay_stream
-from gateway.http.sse import PartialEvent, SSEFramer
+from gateway.http.relay import EventStreamResponse
 from gateway.metrics import Metrics
 from tests.support.bad_upstream import BadUpstream, RawReply, chunked, is_one_whole_event, raw_request, run_bad_upstream
 from tests.support.harness import GatewayServer, run_gateway
@@ -133,17 +136,46 @@ class FakeReservation:
         self.released.append(completed)
 
 
-def fake_parts() -> Parts:
-    metrics = Metrics()
-    metrics.in_flight.inc()
-    return Parts(Settings(), metrics, None, None, None)  # type: ignore[arg-type]
+class FakeUpstream:
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+
+    async def open(self, method: str, path: str, **kw: Any) -> FakeStream:
+        return self.stream
+
+
+def fake_parts(stream: FakeStream) -> Parts:
+    return Parts(Settings(), Metrics(), Engine(FakeUpstream(stream), None, None), None)  # type: ignore[arg-type]
+
+
+def stream_answer(parts: Parts, reservation: FakeReservation) -> AsyncGenerator[Reply | bytes, None]:
+    ctx = RequestContext("r1", "chat", "/v1/chat/completions", {})
+    booking = Booking(prompt_tokens=1, max_tokens=1, n=1, stream=True)
+    return pipeline.exchange_with_engine(parts, ctx, b"{}", booking, reservation)  # type: ignore[arg-type]
+
+
+async def written(response: EventStreamResponse) -> list[bytes]:
+    """What a client receives, write by write."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.Event().wait()  # the client stays
+        return {}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    return [m["body"] for m in sent if m["type"] == "http.response.body" and m.get("body")]
 
 
 async def relay_all(stream: FakeStream) -> tuple[list[bytes], FakeReservation, Parts]:
-    parts, reservation = fake_parts(), FakeReservation()
-    relay = StreamRelay(parts, "chat", stream, reservation)  # type: ignore[arg-type]
-    relay.decoder = decoder_for(stream.headers)
-    return [w async for w in relay.chunks()], reservation, parts
+    reservation = FakeReservation()
+    parts = fake_parts(stream)
+    answer = stream_answer(parts, reservation)
+    head = await anext(answer)
+    assert isinstance(head, Reply) and head.body is None
+    return await written(EventStreamResponse(answer, head.headers)), reservation, parts
 
 
 def error_of(write: bytes) -> dict[str, Any]:
@@ -185,16 +217,13 @@ class TestStreamRelay:
         )
         assert writes == EVENTS and reservation.released == [True]
 
-    def test_a_stream_answered_with_another_content_type_is_502_and_frees_everything_once(self) -> None:
-        from gateway.guard.parts import Outcome
-
-        parts, reservation = fake_parts(), FakeReservation()
+    async def test_a_stream_answered_with_another_content_type_is_502_and_frees_everything_once(self) -> None:
         stream = FakeStream([b"{}"])
         stream.headers["content-type"] = "application/json"
+        parts, reservation = fake_parts(stream), FakeReservation()
         with pytest.raises(BadUpstreamResponse):
-            relay_stream(parts, "chat", stream, reservation, Outcome("r1"))  # type: ignore[arg-type]
-        assert stream.closed == 1 and reservation.released == [False]
-        assert parts.metrics.in_flight._value.get() == 0
+            await anext(stream_answer(parts, reservation))
+        assert stream.closed == 1 and parts.metrics.in_flight._value.get() == 0
 
 
 # -- through the gateway, against a misbehaving upstream ---------------------------------------------

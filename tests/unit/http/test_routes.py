@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from gateway.cli import main, parse_serve
 from gateway.config import GENERATING_ROUTES, Settings
 from gateway.errors import MethodNotAllowed, NotFound
+from gateway.http.errors import error_headers, status_and_type
 from gateway.http.routes import GUARDED_ROUTES, MAX_PATH_BYTES, PUBLIC_ROUTES, RouteTable, canonical_path
 
 
@@ -92,7 +93,7 @@ def test_an_ambiguous_or_hostile_path_is_refused_with_404(sent: str) -> None:
     raw, path = as_server_reads(sent)
     with pytest.raises(NotFound) as info:
         canonical_path(raw, path)
-    assert info.value.status == 404 and info.value.code == "not_found"
+    assert status_and_type(info.value)[0] == 404 and info.value.code == "not_found"
 
 
 CONTROL: list[tuple[str, str]] = [
@@ -165,13 +166,13 @@ def test_every_guarded_route_is_post_only_and_says_so() -> None:
     for path in GUARDED_ROUTES:
         with pytest.raises(MethodNotAllowed) as info:
             table.resolve("GET", path.encode(), path)
-        assert info.value.status == 405 and info.value.headers["allow"] == "POST"
+        assert status_and_type(info.value)[0] == 405 and info.value.allowed == "POST"
 
 
 def test_a_known_path_with_another_method_is_405_with_allow() -> None:
     with pytest.raises(MethodNotAllowed) as info:
         RouteTable().resolve("POST", b"/version", "/version")
-    assert info.value.headers == {"allow": "GET"}
+    assert error_headers(info.value) == {"allow": "GET"}
     assert info.value.message == "Method POST is not allowed on /version; use GET."
 
 

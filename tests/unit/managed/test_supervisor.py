@@ -1,135 +1,31 @@
-"""The supervisor runs a vLLM-like child (tests/support/fake_vllm/server.py): it starts it, fits it, restarts it
-on crash, hang and out-of-memory, drains around restarts, gives up within bounds and leaves no orphan."""
+"""The supervisor runs a vLLM-like child (tests/support/fake_vllm/server.py): it starts it, restarts it on crash,
+hang and out-of-memory, drains around restarts, and gives up within bounds."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
-import sys
-import textwrap
 import time
-from collections.abc import Awaitable, Callable, Collection, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from gateway.config import Settings
 from gateway.managed.guardian import group_pids
-from gateway.managed.supervisor import Supervisor, SupervisorError
-from gateway.metrics import Metrics
-from tests.support.paths import FAKE_VLLM, ROOT
+from gateway.managed.supervisor import Supervisor
 from tests.support.procs import alive
-
-FAKE = FAKE_VLLM
-
-
-class FakeAdmission:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self.in_flight = 0
-
-    def pause(self) -> None:
-        self.calls.append("pause")
-
-    def resume(self) -> None:
-        self.calls.append("resume")
-
-    async def wait_idle(self, timeout: float) -> bool:
-        self.calls.append(f"wait_idle({timeout:g})")
-        return True
-
-
-class FakeGpu:
-    def memory_mib(self, pids: Collection[int]) -> float | None:
-        return None
-
-    def holders(self) -> list[str]:
-        return ["pid 4242 VLLM::EngineCore on GPU 0: 60000 MiB"]
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    ok: bool
-    running: int | None
-    generation_tokens_total: float | None
-    preemptions_total: float | None
-
-
-class FakeEngine:
-    def __init__(self, snapshot: Snapshot) -> None:
-        self.snapshot = snapshot
-
-
-def settings(state: Path, scenario: str = "ok", *fake: str, **kw: Any) -> Settings:
-    command = [sys.executable, str(FAKE), "--fake-scenario", scenario, "--fake-state-dir", str(state), *fake]
-    values: dict[str, Any] = {
-        "managed": True, "model": "fake-model", "vllm_command": " ".join(command), "startup_timeout": 10.0,
-        # Long enough that a busy machine's slow /health answer is not taken for a hang.
-        "hang_timeout": 3.0, "drain_timeout": 2.0, "max_restarts": 3, "restart_window": 60.0,
-        "autofit_attempts": 3,
-    } | kw
-    return Settings.model_validate(values)
-
-
-@pytest.fixture
-def state(tmp_path: Path) -> Path:
-    return tmp_path / "fake-state"
-
-
-@pytest.fixture
-def supervisors() -> Iterator[list[Supervisor]]:
-    made: list[Supervisor] = []
-    yield made
-    # Every engine a test started is gone afterwards, whatever the test did.
-    for sup in made:
-        child = sup._child
-        if child is not None and child.proc.returncode is None:
-            os.killpg(child.pgid, signal.SIGKILL)
-
-
-def make(
-    made: list[Supervisor], s: Settings, admission: FakeAdmission | None = None, **kw: Any
-) -> tuple[Supervisor, Metrics]:
-    metrics = Metrics()
-    kw.setdefault("gpu", FakeGpu())
-    sup = Supervisor(s, metrics, admission=admission, stop_grace=2.0, backoff_base=0.05, **kw)
-    made.append(sup)
-    return sup, metrics
-
-
-async def eventually(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
-
-
-def launches(state: Path) -> int:
-    return int((state / "launches").read_text())
-
-
-def argv(state: Path, launch: int) -> list[str]:
-    return list(json.loads((state / f"argv-{launch}.json").read_text()))
-
-
-def restarts(metrics: Metrics, reason: str) -> float:
-    value = metrics.registry.get_sample_value("vllm_guard_restarts_total", {"reason": reason})
-    return value or 0.0
-
-
-async def running(sup: Supervisor) -> tuple[asyncio.Task[None], Callable[[], Awaitable[None]]]:
-    task = asyncio.create_task(sup.run())
-
-    async def finish() -> None:
-        await sup.stop()
-        await asyncio.wait_for(task, 5)
-
-    return task, finish
+from tests.unit.managed.supervising import (
+    FakeAdmission,
+    FakeEngine,
+    Snapshot,
+    argv,
+    eventually,
+    launches,
+    make,
+    restarts,
+    running,
+    settings,
+)
 
 
 async def test_start_waits_for_ready_and_reads_capacity_from_the_log(
@@ -273,56 +169,20 @@ async def test_a_manual_restart_drains_in_flight_requests_first(state: Path, sup
     await sup.stop()
 
 
-@pytest.mark.parametrize(
-    ("scenario", "fake", "flag", "values"),
-    [
-        ("fit", ["--fake-estimate", "3968"], "--max-model-len", ["3968"]),
-        ("fit-v0", ["--fake-kv-tokens", "2100"], "--max-model-len", ["2048"]),
-        ("no-cache", ["--fake-min-util", "0.95"], "--gpu-memory-utilization", ["0.93", "0.95"]),
-    ],
-)
-async def test_autofit_restarts_with_the_values_vllm_names(
-    state: Path, supervisors: list[Supervisor], scenario: str, fake: list[str], flag: str, values: list[str]
+async def test_a_background_restart_belongs_to_the_supervisor_and_ends_with_it(
+    state: Path, supervisors: list[Supervisor]
 ) -> None:
-    sup, _ = make(supervisors, settings(state, scenario, *fake))
+    sup, _ = make(supervisors, settings(state, "ok"))
     await sup.start()
-    assert sup.state == "ready"
-    assert launches(state) == len(values) + 1
-    for launch, value in enumerate(values, start=2):
-        args = argv(state, launch)
-        assert args[args.index(flag) + 1] == value
-    assert len(sup.status()["autofit"]) == len(values)
-    if flag == "--max-model-len":
-        assert sup.max_model_len == int(values[-1])
+    sup.request_restart("manual")
+    await eventually(lambda: sup.restarts == 1 and sup.state == "ready")
+    assert launches(state) == 2
+    sup.request_restart("manual")
+    await eventually(lambda: (state / "pid-3").exists())
     await sup.stop()
-
-
-@pytest.mark.parametrize(
-    ("scenario", "fake", "extra", "words"),
-    [
-        ("fit", [], {"autofit_attempts": 0}, ["gave up after 0 auto-fit attempts", "32768"]),
-        ("no-cache", ["--fake-min-util", "0.99"], {}, ["gpu_memory_utilization 0.95"]),
-        ("free-memory", [], {}, ["10.5/79.19 GiB", "pid 4242 VLLM::EngineCore"]),
-        ("startup-oom", [], {}, ["CUDA out of memory", "2048 MiB"]),
-        ("crash-at-start", ["--fake-exit-code", "3"], {}, ["exited with code 3"]),
-        ("never-ready", [], {"startup_timeout": 1.0}, ["start-up timeout of 1 s"]),
-    ],
-)
-async def test_startup_gives_up_with_a_report(
-    state: Path, supervisors: list[Supervisor], scenario: str, fake: list[str], extra: dict[str, Any],
-    words: list[str],
-) -> None:
-    sup, metrics = make(supervisors, settings(state, scenario, *fake, **extra))
-    with pytest.raises(SupervisorError) as err:
-        await sup.start()
-    for word in words:
-        assert word in err.value.message
-    assert err.value.status == 503
+    assert len(sup._tasks) == 0
     assert sup.state == "down"
-    assert metrics.registry.get_sample_value("vllm_guard_upstream_state", {"state": "down"}) == 1.0
-    pid = int((state / f"pid-{launches(state)}").read_text())
-    assert not alive(pid)
-    await sup.stop()
+    assert not alive(int((state / "pid-3").read_text()))
 
 
 async def test_too_many_restarts_within_the_window_leave_it_down(
@@ -342,74 +202,3 @@ async def test_too_many_restarts_within_the_window_leave_it_down(
     # Queued requests are let go (to fail fast) once the gateway gives up.
     assert admission.calls[-1] == "resume"
     await finish()
-
-
-async def test_stop_takes_the_engines_other_processes_along(state: Path, supervisors: list[Supervisor]) -> None:
-    sup, _ = make(supervisors, settings(state, "grandchild"))
-    await sup.start()
-    grandchild = int((state / "grandchild-1").read_text())
-    assert alive(grandchild)
-    await sup.stop()
-    assert not alive(grandchild)
-
-
-async def test_a_crashed_engine_leaves_no_process_behind(state: Path, supervisors: list[Supervisor]) -> None:
-    sup, _ = make(supervisors, settings(state, "grandchild"))
-    await sup.start()
-    _, finish = await running(sup)
-    grandchild = int((state / "grandchild-1").read_text())
-    os.kill(sup.status()["pid"], signal.SIGKILL)
-    await eventually(lambda: sup.restarts == 1 and sup.state == "ready")
-    assert not alive(grandchild)
-    await finish()
-
-
-PARENT = """
-import asyncio, sys
-from gateway.config import Settings
-from gateway.metrics import Metrics
-from gateway.managed.supervisor import Supervisor
-from tests.support.paths import FAKE_VLLM, ROOT
-
-async def main():
-    s = Settings(managed=True, model="m", vllm_command=sys.argv[1], startup_timeout=10.0)
-    sup = Supervisor(s, Metrics(), stop_grace=1.0)
-    await sup.start()
-    print(sup.status()["pid"], flush=True)
-    await asyncio.sleep(3600)
-
-asyncio.run(main())
-"""
-
-
-def test_no_orphan_survives_when_the_gateway_is_killed(state: Path) -> None:
-    command = f"{sys.executable} {FAKE} --fake-scenario grandchild --fake-state-dir {state}"
-    with subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(PARENT), command], stdout=subprocess.PIPE, cwd=ROOT, text=True
-    ) as parent:
-        try:
-            assert parent.stdout is not None
-            engine = int(parent.stdout.readline())
-            grandchild = int((state / "grandchild-1").read_text())
-            assert alive(engine) and alive(grandchild)
-            parent.kill()
-            parent.wait()
-            deadline = time.monotonic() + 10
-            while (alive(engine) or alive(grandchild)) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert not alive(engine)
-            assert not alive(grandchild)
-        finally:
-            parent.kill()
-
-
-async def test_stop_during_start_up_leaves_no_engine_behind(state: Path, supervisors: list[Supervisor]) -> None:
-    sup, _ = make(supervisors, settings(state, "never-ready", startup_timeout=60.0))
-    starting = asyncio.create_task(sup.start())
-    await eventually(lambda: (state / "pid-1").exists())
-    pid = int((state / "pid-1").read_text())
-    starting.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await starting
-    await sup.stop()
-    assert not alive(pid)

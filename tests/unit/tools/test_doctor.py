@@ -7,6 +7,7 @@ from typing import Any
 import httpx
 import pytest
 
+from gateway.engine.vllm_api import parse_metrics
 from gateway.gpu import GpuDevice, GpuProcess, GpuReport
 from gateway.tools import doctor
 from gateway.tools.doctor import (
@@ -15,9 +16,9 @@ from gateway.tools.doctor import (
     diagnose,
     gpu_findings,
     main_doctor,
-    parse_engine_metrics,
     render_report,
 )
+from tests.support.paths import FIXTURES
 
 GIB = 1024**3
 URL = "http://vllm.test:8000"
@@ -123,9 +124,24 @@ async def test_without_an_upstream_only_the_gpu_is_checked() -> None:
 
 
 def test_engine_metrics_are_read_from_prometheus_text() -> None:
-    parsed = parse_engine_metrics(METRICS % 3.0)
-    assert parsed == {"any_vllm": True, "block_size": 128, "num_gpu_blocks": 32, "kv_cache_size_tokens": 4096,
-                      "preemptions": 3.0}
+    page = parse_metrics(METRICS % 3.0)
+    assert (page.has_metrics, page.block_size, page.num_gpu_blocks, page.kv_cache_size_tokens,
+            page.preemptions_total) == (True, 128, 32, 4096, 3.0)
+
+
+async def test_a_v0_engine_is_read_by_the_same_parser() -> None:
+    fixtures = FIXTURES / "vllm" / "v0-0.8.5"
+    routes = {
+        **vllm_routes(),
+        "/version": httpx.Response(200, content=(fixtures / "version.json").read_bytes()),
+        "/v1/models": httpx.Response(200, content=(fixtures / "models.json").read_bytes()),
+        "/metrics": httpx.Response(200, content=(fixtures / "metrics.txt").read_bytes()),
+    }
+    report = await diagnose(URL, gpu_report=NO_GPU, transport=transport(routes))
+    assert report.upstream is not None
+    assert (report.upstream.version, report.upstream.block_size, report.upstream.num_gpu_blocks,
+            report.upstream.kv_cache_size_tokens, report.upstream.max_model_len) == ("0.8.5", 16, 2000, None, 2048)
+    assert severities(report, "version") == ["warning"] and severities(report, "config") == ["ok"]
 
 
 def test_capacity_falls_back_to_blocks_times_block_size() -> None:

@@ -1,4 +1,4 @@
-"""vLLM's log lines, command line and counters are read the same way across the versions users run."""
+"""vLLM's log lines are read as the same facts across the versions users run, and relayed at their own level."""
 
 from __future__ import annotations
 
@@ -6,13 +6,11 @@ import logging
 
 import pytest
 
-from gateway.config import Settings
-from gateway.managed.vllm_log import (
+from gateway.managed.logfacts import (
     AvailableKvMemory,
     BlockCounts,
     CudaOutOfMemory,
     EngineDead,
-    FitStep,
     FragmentationHint,
     InsufficientFreeMemory,
     KvCacheSize,
@@ -22,18 +20,9 @@ from gateway.managed.vllm_log import (
     MaxSeqLenTooLarge,
     NoCacheMemory,
     PlatformDetected,
-    StartupFailure,
-    Watchdog,
-    arg_value,
-    base_command,
-    engine_args,
     engine_death_reply,
     log_level,
     parse_line,
-    parse_progress,
-    plan_autofit,
-    redact,
-    with_arg,
 )
 
 V1_032 = (
@@ -240,77 +229,6 @@ def test_a_hint_on_the_next_line_is_folded_into_the_out_of_memory_error() -> Non
     assert facts.failure == facts.oom
 
 
-# -- command line ---------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("args", "name", "value"),
-    [
-        (["--max-model-len", "4096"], "--max-model-len", "4096"),
-        (["--max-model-len=4096"], "--max-model-len", "4096"),
-        (["--max_model_len", "4096"], "--max-model-len", "4096"),
-        (["--max-model-len", "1", "--max-model-len", "2"], "--max-model-len", "2"),
-        (["--dtype", "float32"], "--max-model-len", None),
-        (["--max-model-len"], "--max-model-len", None),
-    ],
-)
-def test_arg_value_reads_every_spelling_vllm_accepts(args: list[str], name: str, value: str | None) -> None:
-    assert arg_value(args, name) == value
-
-
-@pytest.mark.parametrize(
-    "args",
-    [["--max-model-len", "32768", "--dtype", "float32"], ["--max_model_len=32768", "--dtype", "float32"]],
-)
-def test_with_arg_replaces_the_old_value(args: list[str]) -> None:
-    assert with_arg(args, "--max-model-len", "3968") == ["--dtype", "float32", "--max-model-len", "3968"]
-
-
-def test_redact_hides_api_keys() -> None:
-    assert redact(["vllm", "--api-key", "sk-1", "--api-key=sk-2"]) == ["vllm", "--api-key", "***", "--api-key=***"]
-
-
-@pytest.mark.parametrize(
-    ("command", "script", "expected"),
-    [
-        (None, "/venv/bin/vllm", ["/venv/bin/vllm", "serve", "m"]),
-        ("/other/bin/python3.11", None, ["/other/bin/python3.11", "-m", "vllm.entrypoints.openai.api_server",
-                                         "--model", "m"]),
-        ("/other/bin/vllm serve", None, ["/other/bin/vllm", "serve", "m"]),
-        ("docker-run-vllm --x {model}", None, ["docker-run-vllm", "--x", "m"]),
-        ("python fake.py --fake-scenario ok", None, ["python", "fake.py", "--fake-scenario", "ok", "--model", "m"]),
-    ],
-)
-def test_base_command_follows_the_override_or_the_detected_script(
-    command: str | None, script: str | None, expected: list[str]
-) -> None:
-    settings = Settings.model_validate({"managed": True, "model": "m", "vllm_command": command})
-    assert base_command(settings, script) == expected
-
-
-@pytest.mark.parametrize(
-    ("values", "overrides", "expected"),
-    [
-        ({}, {}, ["--host", "127.0.0.1", "--port", "9000"]),
-        (
-            {"vllm_args": ["--dtype", "float32", "--port", "1"], "served_model_name": "tiny", "max_model_len": 4096,
-             "upstream_api_key": "sk-up"},
-            {},
-            ["--dtype", "float32", "--served-model-name", "tiny", "--api-key", "sk-up", "--max-model-len", "4096",
-             "--host", "127.0.0.1", "--port", "9000"],
-        ),
-        (
-            {"vllm_args": ["--max-model-len", "32768", "--served-model-name", "mine"], "served_model_name": "tiny"},
-            {"--max-model-len": "3968"},
-            ["--served-model-name", "mine", "--max-model-len", "3968", "--host", "127.0.0.1", "--port", "9000"],
-        ),
-    ],
-)
-def test_engine_args_add_the_gateways_settings_the_autofit_and_the_private_address(
-    values: dict[str, object], overrides: dict[str, str], expected: list[str]
-) -> None:
-    settings = Settings.model_validate({"managed": True, "model": "m", **values})
-    assert engine_args(settings, overrides, 9000) == expected
-
-
 @pytest.mark.parametrize(
     ("line", "level"),
     [
@@ -337,142 +255,3 @@ def test_vllms_lines_are_relayed_at_their_own_level_and_probes_quietly(line: str
 )
 def test_an_engine_death_is_told_apart_from_other_server_errors(message: str, dead: bool) -> None:
     assert engine_death_reply(message) is dead
-
-
-def test_without_a_working_script_vllm_starts_through_this_python() -> None:
-    import sys
-
-    settings = Settings.model_validate({"managed": True, "model": "m"})
-    assert base_command(settings, None) == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]
-
-
-# -- auto-fit -------------------------------------------------------------------------------------
-FITS: list[tuple[str, StartupFailure | None, list[str], str | None, dict[str, str] | None]] = [
-    ("V1 estimate on CPU", MaxSeqLenTooLarge(32768, estimated_max_len=3968), [], "CPU", {"--max-model-len": "3968"}),
-    ("V1 estimate rounded to 16", MaxSeqLenTooLarge(131072, estimated_max_len=79475), [], "GPU",
-     {"--max-model-len": "79472"}),
-    ("block size from the args", MaxSeqLenTooLarge(32768, estimated_max_len=3999), ["--block-size", "32"], "GPU",
-     {"--max-model-len": "3968"}),
-    ("V0 token count", MaxSeqLenTooLarge(32768, kv_tokens=20544), [], None, {"--max-model-len": "20544"}),
-    ("no estimate", MaxSeqLenTooLarge(8192), [], "GPU", None),
-    ("estimate below one block", MaxSeqLenTooLarge(8192, estimated_max_len=100), [], "CPU", None),
-    ("estimate not below the current value", MaxSeqLenTooLarge(4096, estimated_max_len=8000),
-     ["--max-model-len", "4096"], "GPU", None),
-    ("no cache memory, default", NoCacheMemory(), [], None, {"--gpu-memory-utilization": "0.93"}),
-    ("no cache memory, stepped", NoCacheMemory(), ["--gpu-memory-utilization", "0.93"], None,
-     {"--gpu-memory-utilization": "0.95"}),
-    ("no cache memory, at the top", NoCacheMemory(), ["--gpu-memory-utilization=0.95"], None, None),
-    ("no cache memory, fixed size", NoCacheMemory(), ["--kv-cache-memory-bytes", "1000"], None, None),
-    ("free memory", InsufficientFreeMemory("cuda:0", 10.5, 79.19, 0.9, 71.27), [], "GPU", None),
-    ("out of memory", CudaOutOfMemory(20.0, None, False), [], "GPU", None),
-    ("unknown failure", None, [], None, None),
-]
-
-
-@pytest.mark.parametrize(("case", "failure", "args", "device", "changes"), FITS, ids=[c[0] for c in FITS])
-def test_autofit_acts_on_vllms_numbers_or_gives_up(
-    case: str, failure: StartupFailure | None, args: list[str], device: str | None, changes: dict[str, str] | None
-) -> None:
-    step = plan_autofit(failure, args, device)
-    if changes is None:
-        assert isinstance(step, str) and step
-    else:
-        assert isinstance(step, FitStep)
-        assert step.changes == changes
-        assert all(v in step.reason for v in changes.values())
-
-
-def test_giving_up_on_free_memory_names_the_processes_holding_it() -> None:
-    step = plan_autofit(
-        InsufficientFreeMemory("cuda:0", 10.5, 79.19, 0.9, 71.27), [], "GPU",
-        ["pid 4242 VLLM::EngineCore on GPU 0: 60000 MiB"],
-    )
-    assert isinstance(step, str)
-    assert "pid 4242 VLLM::EngineCore" in step and "10.5/79.19 GiB" in step
-
-
-# -- watchdog -------------------------------------------------------------------------------------
-def dog(**kw: float) -> Watchdog:
-    opts: dict[str, float] = {"hang_timeout": 10.0, "growth_mib": 1000.0, "storm": 50} | kw
-    return Watchdog(0.0, hang_timeout=opts["hang_timeout"], growth_mib=opts["growth_mib"], storm=int(opts["storm"]))
-
-
-@pytest.mark.parametrize(
-    ("health", "reason"),
-    [
-        ([(1, True), (5, False), (10, False)], None),  # silent 5 s of 10
-        ([(1, True), (5, False), (11, False)], "hang"),
-        ([(5, False), (9, True), (15, False)], None),  # an answer in between resets the clock
-    ],
-)
-def test_health_that_stays_silent_for_the_hang_timeout_is_a_hang(
-    health: list[tuple[float, bool]], reason: str | None
-) -> None:
-    d = dog()
-    results = [d.observe_health(t, ok) for t, ok in health]
-    assert (results[-1].reason if results[-1] else None) == reason
-    assert all(r is None for r in results[:-1])
-
-
-@pytest.mark.parametrize(
-    ("samples", "reason"),
-    [
-        ([(0, 2, 100), (5, 2, 100), (10, 2, 100)], "hang"),  # requests running, no token for 10 s
-        ([(0, 2, 100), (5, 2, 150), (10, 2, 150)], None),  # progress at 5 s
-        ([(0, 0, 100), (5, 0, 100), (12, 0, 100)], None),  # idle is not a hang
-        ([(0, 0, 100), (5, 1, 100), (14, 1, 100)], None),  # running for only 9 s
-        ([(0, None, None), (20, None, None)], None),  # metrics unknown: only /health decides
-    ],
-)
-def test_running_requests_without_generated_tokens_are_a_hang(
-    samples: list[tuple[float, float | None, float | None]], reason: str | None
-) -> None:
-    d = dog()
-    results = [d.observe_engine(t, running, tokens, None) for t, running, tokens in samples]
-    assert (results[-1].reason if results[-1] else None) == reason
-    assert all(r is None for r in results[:-1])
-
-
-@pytest.mark.parametrize(
-    ("samples", "reason"),
-    [
-        ([(0, 0), (30, 20), (59, 50)], "preemption_storm"),
-        ([(0, 0), (30, 30), (65, 60), (95, 70)], None),  # 60 in 65 s, but never 50 within a minute
-        ([(0, 100), (10, 3), (20, 40)], None),  # a restarted engine counts from zero
-    ],
-)
-def test_many_preemptions_within_a_minute_are_a_storm(samples: list[tuple[float, float]], reason: str | None) -> None:
-    d = dog()
-    results = [d.observe_engine(t, 1, t, p) for t, p in samples]
-    assert (results[-1].reason if results[-1] else None) == reason
-
-
-@pytest.mark.parametrize(
-    ("readings", "growth", "reason"),
-    [
-        ([20000, 20500, 21000], 1000, "memory_growth"),
-        ([20000, 20500, 20999], 1000, None),
-        ([None, 20000, 30000], 0, None),  # 0 turns the check off
-        ([None, None], 1000, None),
-    ],
-)
-def test_gpu_memory_growing_past_its_baseline_is_fragmentation(
-    readings: list[float | None], growth: float, reason: str | None
-) -> None:
-    d = dog(growth_mib=growth)
-    results = [d.observe_memory(mib) for mib in readings]
-    assert (results[-1].reason if results[-1] else None) == reason
-
-
-def test_progress_is_summed_over_engines_from_vllms_metrics() -> None:
-    text = (
-        "# HELP vllm:num_requests_running Number of requests in model execution batches.\n"
-        "# TYPE vllm:num_requests_running gauge\n"
-        'vllm:num_requests_running{engine="0",model_name="m"} 2.0\n'
-        'vllm:num_requests_running{engine="1",model_name="m"} 1.0\n'
-        'vllm:generation_tokens_total{engine="0",model_name="m"} 1234.0\n'
-        'vllm:num_preemptions_total{engine="0",model_name="m"} 7.0\n'
-        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
-    )
-    assert parse_progress(text) == (3.0, 1234.0, 7.0)
-    assert parse_progress("") == (None, None, None)

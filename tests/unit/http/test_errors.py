@@ -1,3 +1,5 @@
+"""Every domain error is answered in OpenAI's nested shape with its status, type and Retry-After."""
+
 from __future__ import annotations
 
 import orjson
@@ -13,9 +15,8 @@ from gateway.errors import (
     QueueFull,
     QueueTimeout,
     UpstreamUnavailable,
-    error_response,
-    upstream_error_from,
 )
+from gateway.http.errors import error_response, status_and_type
 
 
 @pytest.mark.parametrize(
@@ -44,40 +45,16 @@ def test_retry_after_is_whole_seconds_and_at_least_one(seconds: float, header: s
 
 
 @pytest.mark.parametrize(
-    ("status", "payload", "message", "type_", "code", "param"),
-    [
-        (
-            400,
-            b'{"error": {"message": "This model\'s maximum context length is 2048 tokens. However, your prompt '
-            b'contains at least 2049 input tokens", "type": "BadRequestError", "param": "input_tokens", "code": 400}}',
-            "This model's maximum context length is 2048 tokens. However, your prompt contains at least 2049 "
-            "input tokens",
-            "invalid_request_error",
-            "context_length_exceeded",
-            "input_tokens",
-        ),
-        (
-            400,
-            b'{"object": "error", "message": "bad temperature", "type": "BadRequestError", "param": null, "code": 400}',
-            "bad temperature",
-            "invalid_request_error",
-            None,
-            None,
-        ),
-        (
-            404,
-            b'{"error": {"message": "The model `x` does not exist.", "type": "NotFoundError", "code": 404}}',
-            "The model `x` does not exist.",
-            "invalid_request_error",
-            "model_not_found",
-            None,
-        ),
-        (500, b"<html>oops</html>", "<html>oops</html>", "server_error", None, None),
-        (502, b"", "upstream answered HTTP 502", "server_error", None, None),
-    ],
+    "err",
+    [ContextLengthExceeded("x"), KVBudgetExceeded("x"), QueueFull("x"), UpstreamUnavailable("x"), GatewayError("x")],
+    ids=lambda e: type(e).__name__,
 )
-def test_upstream_errors_are_normalised(
-    status: int, payload: bytes, message: str, type_: str, code: str | None, param: str | None
-) -> None:
-    err = upstream_error_from(status, payload)
-    assert (err.status, err.message, err.type, err.code, err.param) == (status, message, type_, code, param)
+def test_a_domain_error_knows_nothing_of_http(err: GatewayError) -> None:
+    assert not hasattr(err, "status") and not hasattr(err, "type") and not hasattr(err, "headers")
+
+
+def test_a_client_mistake_is_4xx_and_ours_or_the_upstreams_is_5xx() -> None:
+    for err in (ContextLengthExceeded("x"), AuthenticationFailed("x"), QueueFull("x"), PayloadTooLarge("x")):
+        assert err.client_fault and status_and_type(err)[0] < 500
+    for err in (QueueTimeout("x"), UpstreamUnavailable("x"), GatewayError("x")):
+        assert not err.client_fault and status_and_type(err)[0] >= 500

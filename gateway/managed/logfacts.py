@@ -1,32 +1,18 @@
-"""Reading vLLM: its log lines, its command line, its progress counters, and what to do about them.
+"""vLLM's log lines read as facts: capacity, start-up failures, engine deaths, and each line's log level.
 
-Free of I/O so that every rule can be table-tested: the supervisor feeds each line the managed engine
-prints and reads back its KV capacity (the log is the only place some versions state it) and the reason a
-start-up failed, so that auto-fit acts on vLLM's own numbers; the watchdog turns observations stamped by
-the caller into restart decisions. Texts follow vLLM 0.7 .. 0.33 (V0 and V1) and PyTorch's CUDA
+Free of I/O so that every rule can be table-tested: the supervisor feeds each line the managed engine prints and
+reads back its KV capacity (the log is the only place some versions state it) and the reason a start-up failed,
+so that auto-fit acts on vLLM's own numbers. Texts follow vLLM 0.7 .. 0.33 (V0 and V1) and PyTorch's CUDA
 out-of-memory message; older spellings stay as fallbacks because the user picks the vLLM version.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import re
-import shlex
-import sys
-from collections import deque
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from gateway.config import Settings
-
-API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-DEFAULT_GPU_UTILIZATION = 0.9
-MAX_GPU_UTILIZATION = 0.95
-GPU_UTILIZATION_STEP = 0.03
-STORM_WINDOW = 60.0
-_PYTHON = re.compile(r"python[\d.]*$")
+from gateway.engine.vllm_api.defaults import default_block_size
 
 _NUM = r"[\d,]+"
 _FLOAT = r"\d+(?:\.\d+)?"
@@ -248,11 +234,6 @@ def _capacity_events(line: str) -> list[LogEvent]:
     return events
 
 
-def default_block_size(device: str | None) -> int:
-    """vLLM's block size when --block-size is not given: 128 on the CPU backend, 16 elsewhere."""
-    return 128 if device is not None and device.lower() == "cpu" else 16
-
-
 # -- accumulated facts of one engine run ----------------------------------------------------------
 @dataclass
 class LogFacts:
@@ -352,232 +333,3 @@ def log_level(line: str) -> int:
 def engine_death_reply(message: str) -> bool:
     """Whether an error message from vLLM's API server says that its engine died (not the request's fault)."""
     return _ENGINE_DEAD_REPLY.search(message) is not None
-
-
-# -- vLLM's command line --------------------------------------------------------------------------
-def arg_value(args: Sequence[str], name: str) -> str | None:
-    """The last value of ``--name`` (vLLM also accepts ``--name=v`` and underscores), else None."""
-    wanted = {name, name.replace("-", "_").replace("__", "--")}
-    value: str | None = None
-    for i, a in enumerate(args):
-        key, eq, val = a.partition("=")
-        if key in wanted:
-            if eq:
-                value = val
-            elif i + 1 < len(args):
-                value = args[i + 1]
-    return value
-
-
-def with_arg(args: Sequence[str], name: str, value: str) -> list[str]:
-    """``args`` with every ``--name`` removed and ``--name value`` appended."""
-    wanted = {name, name.replace("-", "_").replace("__", "--")}
-    out: list[str] = []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        key, eq, _ = a.partition("=")
-        if key in wanted:
-            skip = not eq
-            continue
-        out.append(a)
-    return [*out, name, value]
-
-
-def base_command(settings: Settings, vllm_script: str | None) -> list[str]:
-    """The command that starts vLLM's API server for ``settings.model``, without gateway-set flags.
-
-    ``--vllm-command`` may name a whole command (``{model}`` is substituted; a trailing ``serve``
-    takes the model positionally, anything else gets ``--model``) or just another environment's python.
-    """
-    model = settings.model or ""
-    if settings.vllm_command:
-        parts = shlex.split(settings.vllm_command)
-        if any("{model}" in p for p in parts):
-            return [p.replace("{model}", model) for p in parts]
-        if len(parts) == 1 and _PYTHON.search(Path(parts[0]).name):
-            return [parts[0], "-m", API_SERVER_MODULE, "--model", model]
-        if parts and parts[-1] == "serve":
-            return [*parts, model]
-        return [*parts, "--model", model]
-    if vllm_script is not None:
-        return [vllm_script, "serve", model]
-    return [sys.executable, "-m", API_SERVER_MODULE, "--model", model]
-
-
-
-def engine_args(settings: Settings, overrides: Mapping[str, str], port: int) -> list[str]:
-    """vLLM's arguments after the model: the user's, what the gateway's settings imply, the auto-fit
-    overrides, and the private address the gateway reaches it at."""
-    s = settings
-    args = list(s.vllm_args)
-    if s.served_model_name and arg_value(args, "--served-model-name") is None:
-        args += ["--served-model-name", s.served_model_name]
-    if s.upstream_api_key and arg_value(args, "--api-key") is None:
-        args += ["--api-key", s.upstream_api_key]
-    if s.max_model_len and arg_value(args, "--max-model-len") is None:
-        # The gateway never lets longer requests through, so vLLM need not reserve for them.
-        args += ["--max-model-len", str(s.max_model_len)]
-    for name, value in overrides.items():
-        args = with_arg(args, name, value)
-    args = with_arg(args, "--host", "127.0.0.1")
-    return with_arg(args, "--port", str(port))
-
-
-def redact(command: Sequence[str]) -> list[str]:
-    """The command with its API key hidden, for logs and /guard/status."""
-    out = list(command)
-    for i, a in enumerate(out):
-        if a == "--api-key" and i + 1 < len(out):
-            out[i + 1] = "***"
-        elif a.startswith("--api-key="):
-            out[i] = "--api-key=***"
-    return out
-
-
-# -- start-up auto-fit ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class FitStep:
-    changes: dict[str, str]
-    reason: str
-
-
-def plan_autofit(
-    failure: StartupFailure | None, args: Sequence[str], device: str | None, holders: Sequence[str] = ()
-) -> FitStep | str:
-    """The next start-up attempt for a failed one, or the reason to give up (a str)."""
-    if failure is None:
-        return "it printed no start-up failure the gateway knows how to fix (see the log above)"
-    what = describe_failure(failure)
-    if isinstance(failure, MaxSeqLenTooLarge):
-        block = int(arg_value(args, "--block-size") or default_block_size(device))
-        limit = failure.estimated_max_len if failure.estimated_max_len is not None else failure.kv_tokens
-        current = int(arg_value(args, "--max-model-len") or failure.max_seq_len)
-        fitted = (limit // block) * block if limit is not None else 0
-        if fitted <= 0 or fitted >= current:
-            return f"{what}; no shorter max_model_len in whole blocks of {block} tokens fits"
-        source = "vLLM's estimate" if failure.estimated_max_len is not None else "the KV cache"
-        return FitStep(
-            {"--max-model-len": str(fitted)},
-            f"{what}: max_model_len {current} -> {fitted} ({source} {limit} rounded down to blocks of {block})",
-        )
-    if isinstance(failure, NoCacheMemory):
-        if arg_value(args, "--kv-cache-memory-bytes") is not None:
-            return f"{what}, and --kv-cache-memory-bytes fixes the KV cache size; lower it or the model size"
-        util = float(arg_value(args, "--gpu-memory-utilization") or DEFAULT_GPU_UTILIZATION)
-        if util >= MAX_GPU_UTILIZATION - 1e-9:
-            return (
-                f"{what}, even at gpu_memory_utilization {util:g} (the most the gateway sets is "
-                f"{MAX_GPU_UTILIZATION:g}); use a smaller model, quantization, or more tensor parallelism"
-            )
-        new = min(MAX_GPU_UTILIZATION, round(util + GPU_UTILIZATION_STEP, 2))
-        return FitStep({"--gpu-memory-utilization": f"{new:g}"}, f"{what}: gpu_memory_utilization {util:g} -> {new:g}")
-    if isinstance(failure, InsufficientFreeMemory):
-        held = "; ".join(holders) if holders else "no process list available"
-        return f"{what}. Processes holding GPU memory: {held}. Stop them or lower --gpu-memory-utilization"
-    assert isinstance(failure, CudaOutOfMemory)
-    return f"{what} while starting; lower --max-model-len, --max-num-seqs or --gpu-memory-utilization"
-
-
-
-_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([-+0-9.eE]+|NaN)\s*$", re.MULTILINE)
-
-
-def parse_progress(text: str) -> tuple[float | None, float | None, float | None]:
-    """(running requests, generated tokens, preemptions) summed over engines from vLLM's /metrics."""
-    sums: dict[str, float] = {}
-    for m in _METRIC.finditer(text):
-        value = float(m[2])
-        if not math.isnan(value):
-            sums[m[1]] = sums.get(m[1], 0.0) + value
-    return (
-        sums.get("vllm:num_requests_running"),
-        sums.get("vllm:generation_tokens_total"),
-        sums.get("vllm:num_preemptions_total"),
-    )
-
-
-
-# -- the watchdog's decisions, free of I/O so they can be tested with made-up times -----------------
-@dataclass(frozen=True)
-class Trouble:
-    reason: str  # exit | oom | hang | memory_growth | preemption_storm
-    detail: str
-
-
-class Watchdog:
-    """Decides when a serving engine must be restarted, from observations stamped by the caller."""
-
-    def __init__(
-        self, now: float, *, hang_timeout: float, growth_mib: float, storm: int, storm_window: float = STORM_WINDOW
-    ) -> None:
-        self.hang_timeout = hang_timeout
-        self.growth_mib = growth_mib
-        self.storm = storm
-        self.storm_window = storm_window
-        self._last_alive = now
-        self._last_progress = now
-        self._tokens: float | None = None
-        self._was_running = False
-        self._preemptions: deque[tuple[float, float]] = deque()
-        self.baseline_mib: float | None = None
-
-    def observe_health(self, now: float, ok: bool) -> Trouble | None:
-        if ok:
-            self._last_alive = now
-            return None
-        silent = now - self._last_alive
-        if silent >= self.hang_timeout:
-            return Trouble(
-                "hang", f"/health failed or did not answer for {silent:.1f} s (limit {self.hang_timeout:g} s)"
-            )
-        return None
-
-    def observe_engine(
-        self, now: float, running: float | None, tokens: float | None, preemptions: float | None
-    ) -> Trouble | None:
-        if running is not None and tokens is not None:
-            # /health stays 200 in a hung engine: only generated tokens prove progress.
-            # A stall counts from the first observation with work, since it may have just arrived.
-            stalled = running > 0 and self._was_running and tokens == self._tokens
-            self._was_running = running > 0
-            if not stalled:
-                self._last_progress = now
-                self._tokens = tokens
-            elif now - self._last_progress >= self.hang_timeout:
-                return Trouble(
-                    "hang",
-                    f"{running:g} requests running but vllm:generation_tokens_total stayed at {tokens:g} for "
-                    f"{now - self._last_progress:.1f} s (limit {self.hang_timeout:g} s)",
-                )
-        if preemptions is not None and self.storm > 0:
-            q = self._preemptions
-            if q and preemptions < q[-1][1]:
-                q.clear()  # a new engine restarted its counter
-            q.append((now, preemptions))
-            while len(q) > 1 and q[1][0] <= now - self.storm_window:
-                q.popleft()
-            burst = preemptions - q[0][1]
-            if burst >= self.storm:
-                return Trouble(
-                    "preemption_storm",
-                    f"{burst:g} preemptions within {self.storm_window:g} s (limit {self.storm})",
-                )
-        return None
-
-    def observe_memory(self, mib: float | None) -> Trouble | None:
-        if mib is None or self.growth_mib <= 0:
-            return None
-        if self.baseline_mib is None:
-            self.baseline_mib = mib
-            return None
-        growth = mib - self.baseline_mib
-        if growth >= self.growth_mib:
-            return Trouble(
-                "memory_growth",
-                f"GPU memory grew {growth:.0f} MiB past its post-start {self.baseline_mib:.0f} MiB "
-                f"(limit {self.growth_mib:g} MiB)",
-            )
-        return None

@@ -1,4 +1,4 @@
-"""The planner's KV maths against vLLM's own code (the installed CPU build); slow to import, so e2e."""
+"""The KV cache arithmetic against vLLM's own code (the installed CPU build); slow to import, so e2e."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from gateway.tools.kvcache import kv_layout
 from gateway.tools.modelspec import spec_from_config
-from gateway.tools.planner import kv_layout
 from tests.support.paths import MODEL_CONFIGS
 
 pytestmark = pytest.mark.e2e

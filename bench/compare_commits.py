@@ -1,0 +1,127 @@
+"""The gateway of this tree against the gateway of another commit, on the same simulator, in turns.
+
+A refactoring must not cost speed. This checks out ``--baseline`` (default ``HEAD~1``) in a temporary git
+worktree, starts one gateway from each tree in front of one zero-delay vLLM simulator, and measures both in
+turns, ``--rounds`` times: latency at concurrency 1, requests per second at 64, streams of 20 events per
+second at 16. It prints the medians and the ratio this tree / baseline (1.00x: no change; single runs on a
+2-core machine move by tens of percent, which is why the rounds alternate and the medians are compared).
+
+    python bench/compare_commits.py [--baseline REF] [--seconds 5] [--rounds 3] [--markdown PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from overhead import CHAT, SIM_CODE, STREAM, free_port, load, pinned, process, wait_http  # noqa: E402
+
+MEASURES = ("latency c=1 p50 (ms)", "latency c=1 p99 (ms)", "req/s c=64", "p99 c=64 (ms)", "streams/s c=16")
+
+
+@contextlib.contextmanager
+def worktree(ref: str) -> Iterator[Path]:
+    where = Path(tempfile.mkdtemp(prefix="bench-baseline-")) / "tree"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), ref], check=True,
+                   capture_output=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(where)], check=False,
+                       capture_output=True)
+
+
+@contextlib.contextmanager
+def gateway(tree: Path, upstream: str, tokenizer: Path) -> Iterator[str]:
+    """``vllm-guard serve`` from ``tree``'s own source (it comes first on the path)."""
+    port = free_port()
+    cmd = [
+        *pinned(1), sys.executable, "-m", "gateway.cli", "serve", "--upstream", upstream, "--port", str(port),
+        "--host", "127.0.0.1", "--tokenizer", str(tokenizer), "--log-level", "warning", "--max-queue", "10000",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http(url + "/health")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def measure(url: str, seconds: float) -> dict[str, float]:
+    c1 = load(url + "/v1/chat/completions", CHAT, 1, seconds)
+    c64 = load(url + "/v1/chat/completions", CHAT, 64, seconds)
+    s16 = load(url + "/v1/chat/completions", STREAM, 16, seconds)
+    if c1.errors or c64.errors or s16.errors:
+        raise SystemExit(f"{url}: non-200 answers during the load")
+    return {
+        "latency c=1 p50 (ms)": c1.p50_ms, "latency c=1 p99 (ms)": c1.p99_ms, "req/s c=64": c64.rps,
+        "p99 c=64 (ms)": c64.p99_ms, "streams/s c=16": s16.rps,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", default="HEAD~1", help="the commit to compare with (default HEAD~1)")
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each load phase")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each measuring both gateways in turn")
+    parser.add_argument("--markdown", type=Path, help="also write the table as markdown here")
+    args = parser.parse_args()
+
+    from gateway.tools.tinymodel import build_tokenizer
+
+    tokenizer = build_tokenizer(Path(tempfile.mkdtemp(prefix="bench-compare-")) / "tokenizer")
+    sim_port = free_port()
+    sim_url = f"http://127.0.0.1:{sim_port}"
+    runs: dict[str, list[dict[str, float]]] = {"this tree": [], args.baseline: []}
+    with (
+        worktree(args.baseline) as base_tree,
+        process([*pinned(0), sys.executable, "-c", SIM_CODE.format(root=str(ROOT), port=sim_port)],
+                sim_url + "/health"),
+        gateway(ROOT, sim_url, tokenizer) as new_url,
+        gateway(base_tree, sim_url, tokenizer) as old_url,
+    ):
+        for url in (new_url, old_url):
+            for body in (CHAT, STREAM):
+                load(url + "/v1/chat/completions", body, 4, 1.0)  # warm-up
+        for k in range(args.rounds):
+            order = [("this tree", new_url), (args.baseline, old_url)]
+            for name, url in order if k % 2 == 0 else reversed(order):
+                runs[name].append(measure(url, args.seconds))
+                print(f"round {k + 1}: {name}: {runs[name][-1]}", flush=True)
+    lines = [
+        f"Command: `python bench/compare_commits.py --baseline {args.baseline} --seconds {args.seconds:g} "
+        f"--rounds {args.rounds}`; medians of {args.rounds} rounds taken in turns",
+        "",
+        f"| measure | {args.baseline} | this tree | this tree / baseline |",
+        "| --- | --- | --- | --- |",
+    ]
+    for m in MEASURES:
+        new = statistics.median(r[m] for r in runs["this tree"])
+        old = statistics.median(r[m] for r in runs[args.baseline])
+        lines.append(f"| {m} | {old:.2f} | {new:.2f} | {new / old:.2f}x |")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

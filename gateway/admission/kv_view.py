@@ -1,0 +1,65 @@
+"""KV capacity and live usage as admission reads them: from the engine's latest snapshot, else from the flags."""
+
+from __future__ import annotations
+
+import math
+from typing import TypedDict
+
+from gateway.admission.ledger import Capacity, budget_blocks, capacity_from
+from gateway.config import Settings
+from gateway.engine.live import EngineView
+
+
+class EngineStatus(TypedDict):
+    """The engine's part of ``/guard/status``."""
+
+    ok: bool
+    has_metrics: bool
+    stale: bool
+    age_s: float | None
+    kv_usage: float | None
+    running: int | None
+    waiting: int | None
+    preemptions_total: float | None
+
+
+class KvView:
+    """What the engine (or, without one, the flags) says about KV blocks right now."""
+
+    def __init__(self, engine: EngineView | None, settings: Settings) -> None:
+        self._engine = engine
+        self._settings = settings
+
+    def capacity(self) -> Capacity | None:
+        return capacity_from(self._engine.snapshot if self._engine else None, self._settings)
+
+    def budget(self, cap: Capacity) -> int:
+        return budget_blocks(cap, self._settings.kv_target)
+
+    def live_usable(self) -> bool:
+        """Whether the engine's usage figures are fresh enough to admit on."""
+        if self._engine is None or self._engine.is_stale():
+            return False
+        snap = self._engine.snapshot
+        return snap.ok and snap.has_metrics and snap.kv_usage is not None
+
+    def live_used(self, cap: Capacity | None) -> int | None:
+        """Blocks the engine holds now, prefix sharing included; None when unknown."""
+        if cap is None or self._engine is None:
+            return None
+        usage = self._engine.snapshot.kv_usage
+        return None if usage is None else math.ceil(usage * cap.blocks - 1e-9)
+
+    def engine_status(self) -> EngineStatus | None:
+        if self._engine is None:
+            return None
+        snap = self._engine.snapshot
+        return EngineStatus(
+            ok=snap.ok, has_metrics=snap.has_metrics, stale=self._engine.is_stale(), age_s=self._engine.age(),
+            kv_usage=snap.kv_usage, running=snap.running, waiting=snap.waiting,
+            preemptions_total=snap.preemptions_total,
+        )
+
+    def publish_freshness(self) -> None:
+        if self._engine is not None:
+            self._engine.publish_freshness()

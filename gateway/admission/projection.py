@@ -1,0 +1,181 @@
+"""The adaptive policy's projection: how far the admitted requests will still grow the engine's KV usage.
+
+While the engine's metrics are fresh, the adaptive policy admits past the ledger as long as
+``projected + growth(new) <= B``, where ``projected`` is the smaller of two bounds on where the in-flight
+requests end up: ``live_used + sum over in-flight r of growth(r)`` (what each adds on top of what the engine
+holds now), and ``max(live_used, sum over in-flight r of final(r))`` (their expected final sizes together;
+``final`` is ``growth`` without credit). The second keeps a request whose progress is unknown (not streamed,
+not yet started) from being counted twice, once in live usage and once whole:
+
+- ``live_used`` = ``kv_cache_usage_perc x capacity``: what the engine holds now, prefix sharing included;
+- ``credited(r)``: the blocks ``r`` surely held when that usage was measured, known from its streamed
+  progress (prompt blocks of each sequence plus the tokens generated). Only a request seen making progress
+  shortly before the measurement is credited: one not yet scheduled, or preempted, is not in ``live_used``
+  and gets no credit;
+- ``worst(r) = need(r) - credited(r)``; ``expected(r) = need of r with max_tokens lowered to
+  min(max_tokens, max(L, 2 x generated so far)) - credited(r)``, where ``L`` is the longest output per
+  sequence among the last 64 requests that completed (once 8 have);
+- ``growth(r) = worst(r) - o x (worst(r) - expected(r))``, with the optimism ``o`` in [0, 1].
+
+``o`` starts at 1, is halved on every snapshot that shows new preemptions (to 0 below 1/16) and regains 0.02
+per second of snapshots without. At ``o = 0`` the projection is the ledger corrected by live usage: it admits
+past the ledger only as far as the engine really shares blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.admission.ledger import blocks_in_use_at_least, request_need
+from gateway.engine.live import EngineSnapshot, counter_increase
+
+log = logging.getLogger(__name__)
+
+OUTPUT_WINDOW = 64  # completed requests remembered for the output-length estimate
+MIN_OUTPUT_SAMPLES = 8  # fewer than this: no estimate, the adaptive projection stays at the worst case
+BACKOFF = 0.5  # optimism factor kept on a snapshot with new preemptions
+OPTIMISM_FLOOR = 1.0 / 16  # below this the optimism drops to zero
+RECOVERY_PER_SECOND = 0.02  # optimism regained per second of snapshots without preemptions
+MAX_RECOVERY_STEP_SECONDS = 2.0  # a long gap between snapshots (outage) does not count as clean time
+
+
+class Booked(Protocol):
+    """What the projection reads of an admitted request."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def n(self) -> int: ...
+    @property
+    def blocks(self) -> int: ...
+    @property
+    def generated(self) -> int: ...
+    @property
+    def credited(self) -> int | None: ...
+
+
+class Creditable(Booked, Protocol):
+    """An admitted request whose progress snapshots are credited with."""
+
+    def credit(self, taken_at: float, window: float) -> None: ...
+    def forget_credit(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """What the projection assumes of outputs: the optimism and the longest recent output per sequence."""
+
+    optimism: float
+    longest: int | None
+
+
+class OutputEstimate:
+    """The longest output per sequence among the last completed requests."""
+
+    def __init__(self) -> None:
+        self._outputs: deque[int] = deque(maxlen=OUTPUT_WINDOW)
+
+    def add(self, tokens_per_sequence: int) -> None:
+        self._outputs.append(tokens_per_sequence)
+
+    def longest(self) -> int | None:
+        if len(self._outputs) < MIN_OUTPUT_SAMPLES:
+            return None
+        return max(self._outputs)
+
+
+class Optimism:
+    """How far the projection trusts the output estimate: backs off on preemptions, recovers over clean time."""
+
+    def __init__(self) -> None:
+        self.value = 1.0
+        self._last_preemptions: float | None = None
+
+    def observe(self, preemptions_total: float | None, clean_seconds: float | None) -> float:
+        """Account one fresh snapshot; ``clean_seconds`` is the time since the previous good one (None if
+        there was none). Returns the preemptions new since the last snapshot."""
+        increase = counter_increase(self._last_preemptions, preemptions_total)
+        if preemptions_total is not None:
+            self._last_preemptions = preemptions_total
+        if increase > 0:
+            self.value *= BACKOFF
+            if self.value < OPTIMISM_FLOOR:
+                self.value = 0.0
+        elif clean_seconds is not None:
+            step = min(MAX_RECOVERY_STEP_SECONDS, max(0.0, clean_seconds))
+            self.value = min(1.0, self.value + RECOVERY_PER_SECOND * step)
+        return increase
+
+
+class Projector:
+    """What the adaptive policy learns from the engine and from completed requests, and projects with."""
+
+    def __init__(self, credit_window: float) -> None:
+        self.optimism = Optimism()
+        self.outputs = OutputEstimate()
+        self._credit_window = credit_window
+
+    def outlook(self) -> Outlook:
+        return Outlook(self.optimism.value, self.outputs.longest())
+
+    def observe(self, old: EngineSnapshot, new: EngineSnapshot, in_flight: Iterable[Creditable]) -> None:
+        """Learn from a new engine snapshot: preemptions move the optimism, progress earns credit."""
+        if not (new.ok and new.has_metrics):
+            for r in in_flight:
+                r.forget_credit()
+            return
+        increase = self.optimism.observe(new.preemptions_total, new.taken_at - old.taken_at if old.ok else None)
+        if increase > 0:
+            log.warning("engine reported %g new preemptions; admission optimism now %.3f",
+                        increase, self.optimism.value)
+        for r in in_flight:
+            r.credit(new.taken_at, self._credit_window)
+
+
+def growth(r: Booked, block_size: int, outlook: Outlook, *, use_credit: bool = True) -> int:
+    """Blocks ``r`` may still add to the live usage; without ``use_credit``, the blocks it will hold at its
+    (expected) end."""
+    credited = 0
+    if use_credit and r.credited is not None:
+        credited = blocks_in_use_at_least(r.prompt_tokens, r.credited, r.n, block_size)
+    worst = max(0, r.blocks - credited)
+    if outlook.optimism <= 0.0 or outlook.longest is None:
+        return worst
+    per_sequence = math.ceil(r.generated / r.n)
+    expected_out = min(r.max_tokens, max(outlook.longest, 2 * per_sequence))
+    expected = max(0, request_need(r.prompt_tokens, expected_out, r.n, block_size) - credited)
+    return worst - math.floor(outlook.optimism * max(0, worst - expected))
+
+
+def project(live_used: int, in_flight: Iterable[Booked], block_size: int, outlook: Outlook) -> int:
+    """Where the in-flight requests take the engine's usage: the smaller of two bounds."""
+    on_top = live_used
+    final = 0
+    for r in in_flight:
+        # On top of live usage: each request's growth past what the snapshot surely holds of it. A request
+        # with no progress seen (not streamed, or not yet started) is counted whole, so what it already
+        # holds counts twice.
+        on_top += growth(r, block_size, outlook)
+        # Their final sizes together, never below what the engine holds now: exact for requests whose
+        # progress is unknown, as long as the gateway is the engine's client (--kv-target leaves room).
+        final += growth(r, block_size, outlook, use_credit=False)
+    return min(on_top, max(live_used, final))
+
+
+def credited_progress(checkpoints: Iterable[tuple[float, int]], taken_at: float, window: float, n: int) -> int | None:
+    """Generated tokens a snapshot taken at ``taken_at`` surely includes, from (time, generated) checkpoints
+    seen within ``window`` before it; None when none were."""
+    since = taken_at - window
+    seen = [g for t, g in checkpoints if since < t <= taken_at]
+    if not seen:
+        return None
+    # Streamed progress can run ahead of the cache: a role-only first chunk per choice, the usage chunk,
+    # [DONE], and each choice's last sampled token, which is not cached yet.
+    return max(0, max(seen) - (2 + 2 * n))

@@ -1,0 +1,196 @@
+"""One request's booking of KV blocks, and the phases it goes through from arrival to release.
+
+A reservation knows what it books (prompt tokens, max tokens, ``n``, priority) and the request's progress;
+deciding when it may go is the controller's. It reaches the controller only through ``Admitter``, and the
+controller moves it from phase to phase only through its public transitions, each checked against the
+phase diagram: new -> queued -> admitted -> released, with rejected and released reachable from new or
+queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+from collections import deque
+from collections.abc import Callable
+from types import TracebackType
+from typing import Protocol
+
+from gateway import errors
+from gateway.admission.ledger import request_need
+from gateway.admission.projection import credited_progress
+
+CHECKPOINTS = 8  # progress checkpoints kept per request
+
+
+class Phase(enum.Enum):
+    NEW = "new"
+    QUEUED = "queued"
+    ADMITTED = "admitted"
+    RELEASED = "released"
+    REJECTED = "rejected"
+
+
+# Tuples, not sets: membership by identity, without hashing the members on every transition.
+_WAITING = (Phase.NEW, Phase.QUEUED)  # not admitted yet: may still be turned away or withdrawn
+
+
+class Admitter(Protocol):
+    """The controller, as a reservation sees it."""
+
+    async def enter(self, reservation: Reservation) -> None:
+        """Return once ``reservation`` is admitted; raise when it is refused, shed or times out."""
+
+    def leave(self, reservation: Reservation) -> None:
+        """Give back what ``reservation`` holds, or withdraw it from the queue (idempotent)."""
+
+
+class Reservation:
+    """One request's claim on KV blocks. Use as ``async with``; released exactly once on every path."""
+
+    def __init__(
+        self, admitter: Admitter, *, prompt_tokens: int, max_tokens: int, n: int, priority: int,
+        request_id: str, block_size: int, clock: Callable[[], float], checkpoint_spacing: float,
+    ) -> None:
+        self._admitter = admitter
+        self._clock = clock
+        self._checkpoint_spacing = checkpoint_spacing
+        self.request_id = request_id
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.n = n
+        self.priority = priority
+        self._blocks = request_need(prompt_tokens, max_tokens, n, block_size)
+        self.queue_ms = 0.0
+        self._phase = Phase.NEW
+        self._future: asyncio.Future[None] | None = None
+        self._waited = False
+        self._cut = False
+        self._generated = 0
+        self._observed = False
+        # (time, generated) pairs spaced a fraction of the scrape interval apart: what the engine surely
+        # held at a past instant, to compare with a snapshot taken then.
+        self._checkpoints: deque[tuple[float, int]] = deque(maxlen=CHECKPOINTS)
+        self._credited: int | None = None  # generated tokens the latest fresh snapshot surely includes
+
+    # -- reading ------------------------------------------------------------------------------------
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def admitted(self) -> bool:
+        return self._phase is Phase.ADMITTED
+
+    @property
+    def blocks(self) -> int:
+        """The most KV blocks this request can make the engine allocate, in the current block size."""
+        return self._blocks
+
+    @property
+    def generated(self) -> int:
+        return self._generated
+
+    @property
+    def credited(self) -> int | None:
+        return self._credited
+
+    @property
+    def waited(self) -> bool:
+        """Whether it had to wait in the queue (rather than being admitted as it arrived)."""
+        return self._waited
+
+    @property
+    def completed_output(self) -> int | None:
+        """Output tokens per sequence of a request that ran to its end; None when it was cut or not seen."""
+        if not self._observed or self._cut:
+            return None
+        return math.ceil(self._generated / self.n)
+
+    # -- the request's side -------------------------------------------------------------------------
+    async def __aenter__(self) -> Reservation:
+        await self._admitter.enter(self)
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc_type is not None:
+            self._cut = True
+        self.release()
+
+    def release(self, *, completed: bool = True) -> None:
+        """Give the blocks back (idempotent). On a queued reservation: withdraw it; its wait is cancelled.
+
+        ``completed=False`` (a cut stream, an upstream error) keeps the request's output length out of the
+        adaptive policy's estimate, which a truncated output would bias low."""
+        if not completed:
+            self._cut = True
+        self._admitter.leave(self)
+
+    def observe_output_tokens(self, generated: int) -> None:
+        """Completion tokens produced so far, summed over the ``n`` choices (streamed progress or final usage)."""
+        if generated < self._generated:
+            return
+        self._generated = generated
+        self._observed = True
+        now = self._clock()
+        if not self._checkpoints or now - self._checkpoints[-1][0] >= self._checkpoint_spacing:
+            self._checkpoints.append((now, generated))
+
+    # -- the controller's side ----------------------------------------------------------------------
+    def recount(self, block_size: int) -> int:
+        """Count the need again in another block size; returns the previous count."""
+        old = self._blocks
+        self._blocks = request_need(self.prompt_tokens, self.max_tokens, self.n, block_size)
+        return old
+
+    def enqueue(self) -> None:
+        self._move(Phase.QUEUED, (Phase.NEW,))
+        self._future = asyncio.get_running_loop().create_future()
+
+    async def wait(self) -> None:
+        """Wait in the queue until admitted; raises what rejected it, or the cancellation of the waiter."""
+        if self._future is None:
+            raise RuntimeError(f"reservation {self.request_id} is not queued")
+        self._waited = True
+        try:
+            await self._future
+        except asyncio.CancelledError:
+            if self._future.done() and not self._future.cancelled():
+                self._future.exception()  # failed in the same instant: mark it seen, the cancellation wins
+            raise
+
+    def admit(self, waited_seconds: float) -> None:
+        self._move(Phase.ADMITTED, (Phase.QUEUED,))
+        self.queue_ms = waited_seconds * 1000.0
+        if self._future is not None and not self._future.done():
+            self._future.set_result(None)
+
+    def reject(self, error: errors.GatewayError | None = None) -> None:
+        """Turn it away; a waiter gets ``error`` (None: the refusal is raised to the caller directly)."""
+        self._move(Phase.REJECTED, _WAITING)
+        if error is not None and self._future is not None and not self._future.done():
+            self._future.set_exception(error)
+
+    def withdraw(self) -> None:
+        """Leave before admission: a waiter is cancelled."""
+        self._move(Phase.RELEASED, _WAITING)
+        if self._future is not None and not self._future.done():
+            self._future.cancel()
+
+    def finish(self) -> None:
+        self._move(Phase.RELEASED, (Phase.ADMITTED,))
+
+    def credit(self, taken_at: float, window: float) -> None:
+        """Credit the progress a snapshot taken at ``taken_at`` surely contains."""
+        self._credited = credited_progress(self._checkpoints, taken_at, window, self.n)
+
+    def forget_credit(self) -> None:
+        self._credited = None
+
+    def _move(self, to: Phase, sources: tuple[Phase, ...]) -> None:
+        if self._phase not in sources:
+            raise RuntimeError(f"reservation {self.request_id} cannot go from {self._phase.value} to {to.value}")
+        self._phase = to

@@ -1,0 +1,47 @@
+"""``Engine``: the one place the gateway's knowledge of one vLLM engine lives.
+
+An engine is where it is (its URL), the one HTTP client that talks to it, the models it serves and their
+context length, and the live view of its metrics (the latest snapshot, hence its KV capacity and usage).
+Nothing here is global: several engines exist side by side, each with its own client and view. The KV ledger
+booked against an engine is kept by the ``Admission`` built for it, one layer up (admission reads this
+package, never the other way round).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from gateway.engine.client import Upstream
+from gateway.engine.live import EngineSnapshot, EngineView
+from gateway.engine.models import ServedModels
+
+ModelsT = TypeVar("ModelsT", bound=ServedModels)
+
+
+@dataclass(slots=True)
+class Engine(Generic[ModelsT]):
+    """``models`` is the engine's served-models holder; the request path uses a subclass that also loads the
+    model's tokenizer (``gateway.guard.models.Models``)."""
+
+    client: Upstream
+    models: ModelsT
+    view: EngineView
+
+    @property
+    def url(self) -> str:
+        return self.client.base_url
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return self.view.snapshot
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The engine's own context length, from its model listing; None until it has been read."""
+        listing = self.models.cached
+        return listing.max_model_len if listing is not None else None
+
+    def is_fresh(self) -> bool:
+        """Its latest scrape succeeded and is recent."""
+        return self.view.snapshot.ok and not self.view.is_stale()

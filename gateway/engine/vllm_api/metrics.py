@@ -1,0 +1,193 @@
+"""vLLM's ``/metrics`` page read into one typed record, whatever vLLM version family wrote it.
+
+Names differ between families (see tests/fixtures/vllm/): the V0 engine and V1 up to 0.11 publish
+``vllm:gpu_cache_usage_perc``, later V1 ``vllm:kv_cache_usage_perc`` (0.10-0.11 publish both); prefix-cache counters
+lost their ``gpu_`` prefix the same way; ``vllm:cache_config_info`` names the capacity in ``num_gpu_blocks``
+(``None`` before the cache is sized) and, since 0.26, in ``kv_cache_size_tokens`` as well. Counters appear with
+Prometheus' ``_total`` suffix; an exporter that drops it is read too. With data parallelism every series comes once
+per ``engine`` label: counts are summed over engines, KV usage is the highest engine's (the gateway cannot tell
+which engine a request lands on), capacity is one engine's.
+
+Samples are parsed by ``prometheus_client``'s parser, but only the lines of the series read here. Measured on the
+2-core test machine: the whole 536-line 0.32 page (tests/fixtures/vllm/v1-0.32.0) took 11-15 ms, its 18 relevant
+lines 0.7-1.4 ms; the 830-line two-engine page 20 ms against 1.5-2.4 ms. The engine view parses on the event loop
+once a second (tests: every 50 ms), so the whole-page parse would stall every request in flight by 10-20 ms a
+second; the filtered one costs what the hand-written regex parser it replaced did (0.5-1.3 ms).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+_CACHE_INFO = "vllm:cache_config_info"
+_WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
+
+# Each summed field and the names that feed it, the current name first: the first name present wins, so a
+# version that publishes both spellings (V1 0.10-0.11) is not counted twice.
+_SUMS: dict[str, tuple[str, ...]] = {
+    "running": ("vllm:num_requests_running",),
+    "waiting": ("vllm:num_requests_waiting",),
+    "preemptions_total": ("vllm:num_preemptions_total", "vllm:num_preemptions"),
+    "prompt_tokens_total": ("vllm:prompt_tokens_total", "vllm:prompt_tokens"),
+    "generation_tokens_total": ("vllm:generation_tokens_total", "vllm:generation_tokens"),
+    "request_success_total": ("vllm:request_success_total", "vllm:request_success"),
+    "prefix_cache_queries_total": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+    "prefix_cache_hits_total": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    "admission_rejections_total": ("vllm:admission_rejections_total",),
+}
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_READ = frozenset({*(n for names in _SUMS.values() for n in names), *_KV_USAGE, _CACHE_INFO, _WAITING_BY_REASON})
+# Only lines that start with a name read here reach the parser; a longer name sharing that start
+# (vllm:num_preemptions_created) is dropped after parsing.
+_PREFIXES = tuple(sorted(_READ))
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """What the gateway reads from one ``/metrics`` page; ``None`` where the page does not say."""
+
+    # Any of the vLLM series read here: False under ``--disable-log-stats``, or for a page that is not vLLM's.
+    has_metrics: bool = False
+    kv_usage: float | None = None  # 0..1; unused cached prefix blocks count as free
+    running: int | None = None
+    waiting: int | None = None
+    waiting_by_reason: Mapping[str, int] = field(default_factory=dict)  # 0.33+
+    preemptions_total: float | None = None
+    prompt_tokens_total: float | None = None
+    generation_tokens_total: float | None = None
+    request_success_total: float | None = None  # every finished_reason together
+    prefix_cache_queries_total: float | None = None  # tokens
+    prefix_cache_hits_total: float | None = None  # tokens
+    admission_rejections_total: float | None = None  # 0.29+, every reason together
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None  # one engine's; from kv_cache_size_tokens when vLLM gives only that
+    kv_cache_size_tokens: int | None = None  # as vLLM states it (0.26+)
+    prefix_caching: bool | None = None
+    engines: int = 0  # data-parallel engines that published their cache configuration
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        """One engine's KV cache in tokens."""
+        if self.kv_cache_size_tokens is not None:
+            return self.kv_cache_size_tokens
+        if self.num_gpu_blocks is not None and self.block_size is not None:
+            return self.num_gpu_blocks * self.block_size
+        return None
+
+    @property
+    def progress(self) -> tuple[float | None, float | None, float | None]:
+        """(running requests, generated tokens, preemptions): what proves a busy engine is not hung."""
+        running = None if self.running is None else float(self.running)
+        return running, self.generation_tokens_total, self.preemptions_total
+
+
+def parse_metrics(text: str) -> EngineMetrics:
+    """Read vLLM's Prometheus text. Lines that do not parse are skipped, so a partial or garbled page yields
+    what it can; NaN and infinite values count as absent."""
+    sums: dict[str, float] = {}
+    usage: dict[str, float] = {}
+    by_reason: dict[str, float] = {}
+    caches: list[Mapping[str, str]] = []
+    seen = False
+    for sample in _samples(line for line in text.splitlines() if line.startswith(_PREFIXES)):
+        name = sample.name
+        if name not in _READ:
+            continue  # a longer name sharing a prefix: vllm:num_preemptions_created
+        seen = True
+        value = sample.value
+        if math.isnan(value) or math.isinf(value):
+            continue
+        if name == _CACHE_INFO:
+            caches.append(sample.labels)
+        elif name in _KV_USAGE:
+            usage[name] = max(usage.get(name, 0.0), value)
+        elif name == _WAITING_BY_REASON:
+            reason = sample.labels.get("reason", "")
+            by_reason[reason] = by_reason.get(reason, 0.0) + value
+        else:
+            sums[name] = sums.get(name, 0.0) + value
+    total = {key: next((sums[n] for n in names if n in sums), None) for key, names in _SUMS.items()}
+    running, waiting = total["running"], total["waiting"]
+    cache = _capacity(caches)
+    return EngineMetrics(
+        has_metrics=seen,
+        kv_usage=_fraction(next((usage[n] for n in _KV_USAGE if n in usage), None)),
+        running=None if running is None else round(running),
+        waiting=None if waiting is None else round(waiting),
+        waiting_by_reason={reason: round(v) for reason, v in by_reason.items()},
+        preemptions_total=total["preemptions_total"],
+        prompt_tokens_total=total["prompt_tokens_total"],
+        generation_tokens_total=total["generation_tokens_total"],
+        request_success_total=total["request_success_total"],
+        prefix_cache_queries_total=total["prefix_cache_queries_total"],
+        prefix_cache_hits_total=total["prefix_cache_hits_total"],
+        admission_rejections_total=total["admission_rejections_total"],
+        block_size=cache.block_size,
+        num_gpu_blocks=cache.num_gpu_blocks,
+        kv_cache_size_tokens=cache.kv_cache_size_tokens,
+        prefix_caching=cache.prefix_caching,
+        engines=len(caches),
+    )
+
+
+def _samples(lines: Iterable[str]) -> Iterator[Sample]:
+    kept = list(lines)
+    try:
+        families = list(text_string_to_metric_families("\n".join(kept)))
+    except ValueError:
+        # One garbled line spoils the parse of the whole text: read the lines one by one instead.
+        families = []
+        for line in kept:
+            try:
+                families.extend(text_string_to_metric_families(line))
+            except ValueError:
+                continue
+    for family in families:
+        yield from family.samples
+
+
+def _fraction(value: float | None) -> float | None:
+    if value is None:
+        return None
+    # vLLM reports a fraction; a few exporters scale it to percent.
+    value = value / 100.0 if value > 1.0 else value
+    return min(1.0, max(0.0, value))
+
+
+@dataclass(frozen=True)
+class _Capacity:
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    kv_cache_size_tokens: int | None = None
+    prefix_caching: bool | None = None
+
+
+def _capacity(caches: list[Mapping[str, str]]) -> _Capacity:
+    """Capacity from the first ``vllm:cache_config_info`` that names a block size (data-parallel engines are
+    sized alike); nothing from one that does not, since blocks without their size say nothing in tokens."""
+    for labels in caches:
+        block_size = _positive_int(labels.get("block_size"))
+        if block_size is None:
+            continue
+        tokens = _positive_int(labels.get("kv_cache_size_tokens"))
+        blocks = _positive_int(labels.get("num_gpu_blocks"))
+        if blocks is None and tokens is not None:
+            blocks = tokens // block_size
+        prefix = labels.get("enable_prefix_caching")
+        return _Capacity(block_size, blocks, tokens, None if prefix is None else prefix.lower() == "true")
+    return _Capacity()
+
+
+def _positive_int(raw: str | None) -> int | None:
+    if raw is None:
+        return None
+    try:
+        value = int(float(raw))
+    except (ValueError, OverflowError):
+        return None  # vLLM writes "None" before the cache is sized
+    return value if value > 0 else None

@@ -1,0 +1,52 @@
+"""One request as the guard sees it, and what the guard answers.
+
+The HTTP layer builds a ``RequestContext`` once (request id, the key's priority, the overflow policy, the body
+parsed); the pipeline reads it and records what it did in ``outcome``. Nothing here knows HTTP frameworks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import PromptOverflowPolicy
+from gateway.guard.parts import Outcome
+
+
+@dataclass(slots=True)
+class RequestContext:
+    """``route`` names the request's kind (chat, completions, responses, a pooling route); ``path`` is the
+    canonical upstream path it goes to."""
+
+    request_id: str
+    route: str
+    path: str
+    body: dict[str, Any]
+    priority: int = 0
+    prompt_policy: PromptOverflowPolicy = "reject"
+    outcome: Outcome = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.outcome = Outcome(self.request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The head of the guard's answer: a whole JSON ``body``, or ``None`` when server-sent events follow."""
+
+    headers: dict[str, str]
+    body: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """What a request reserves: ``n`` sequences of ``prompt_tokens`` + ``max_tokens`` tokens each.
+
+    ``learns_output``: whether its output length teaches the adaptive policy (a pooling request has none).
+    """
+
+    prompt_tokens: int
+    max_tokens: int
+    n: int
+    stream: bool = False
+    learns_output: bool = True

@@ -1,0 +1,230 @@
+"""Prompt counts with the model's own tokenizer, exactly as vLLM 0.32 computes them, without blocking the event loop.
+
+Chat requests are rendered the way vLLM renders them (``chatformat`` reproduces its message handling; the
+tokenizer's own ``apply_chat_template`` renders) and the text is tokenized with the request's
+``add_special_tokens`` (chat: off by default; completions: on) by the cached ``TextCounter``. Large inputs are
+counted in a thread pool, small ones inline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
+
+from gateway.errors import InvalidRequest
+from gateway.guard.counting.chatformat import MediaContent, prepare_chat
+from gateway.guard.counting.counter import Counter, PromptField, PromptTruncation, check_budget, keep_last_ids
+from gateway.guard.counting.template_wire import template_error_reason
+from gateway.guard.counting.templates import RequestTemplates, TemplateInputs
+from gateway.guard.counting.text import DEFAULT_CACHE_CHARS, TextCounter
+from gateway.guard.counting.truncation import ChatTruncation, Messages, truncate_messages
+from gateway.guard.prompts import Prompt, messages_of, prompt_list, prompt_shape_error
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
+Args = TypeVarTuple("Args")
+
+# Requests with less text than this are counted on the event loop. Measured here (2 busy cores, tiny
+# model's tokenizer; medians): a thread-pool round trip costs ~50 us; counting 100 characters of
+# completion text costs ~37 us and a 100-character chat (template render included) ~69 us, growing
+# about linearly from there (300 characters: ~94 / ~142 us). Around 100 characters the two are even on
+# latency alone, but the pool costs more than its hop: the template render is pure Python and holds the GIL,
+# so a busy worker thread stalls the event loop anyway, and under load the GIL hand-offs cost the gateway
+# a third of its throughput (bench/overhead.py: ~1,700 -> ~2,500 req/s at concurrency 64). So the pool is
+# for large inputs only, where a single count would hold the loop for more than ~0.3 ms.
+INLINE_CHARS = 2048
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What is counted for one chat request."""
+
+    token_count: int
+
+
+class LocalCounter:
+    """Counts with the model's own tokenizer, in ``executor`` (the loop's default pool when None).
+
+    ``fallback`` (e.g. a RemoteCounter) counts chat requests with media parts, whose tokens only the
+    engine knows; without one they are rejected as invalid. ``templates`` says whether a chat template sent
+    in a request is refused (the default) or rendered in its sandbox; such a template never runs here.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        executor: concurrent.futures.Executor | None = None,
+        *,
+        fallback: Counter | None = None,
+        cache_chars: int = DEFAULT_CACHE_CHARS,
+        templates: RequestTemplates | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.text = TextCounter(tokenizer, cache_chars)
+        self._executor = executor
+        self._fallback = fallback
+        self._templates = templates or RequestTemplates(trusted=False)
+        self._template_inputs = TemplateInputs(tokenizer)
+
+    async def _run(self, size: int, fn: Callable[[*Args], T], *args: *Args) -> T:
+        if size <= INLINE_CHARS:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    # -- chat
+    def render_chat(self, body: dict[str, Any]) -> tuple[str, bool]:
+        """The prompt text vLLM renders for ``body`` with the model's template, and whether it adds special tokens.
+
+        A template sent with the request is refused here; when trusted, only ``count_chat`` and
+        ``truncate_chat`` render it, in the sandbox.
+        """
+        if self._templates.requested(body) is not None:
+            raise RuntimeError("a request's own chat template renders only in the sandbox (count_chat)")
+        template = self._model_template(None, body)
+        prepared = prepare_chat(body, template)
+        try:
+            text = self.tokenizer.apply_chat_template(
+                prepared.conversation,
+                tools=prepared.tools,  # type: ignore[arg-type]
+                chat_template=template,
+                tokenize=False,
+                **prepared.kwargs,
+            )
+        except Exception as exc:  # templates raise anything; vLLM answers all of it with a 400 too
+            raise InvalidRequest(template_error_reason(exc)) from exc
+        if not isinstance(text, str):
+            raise InvalidRequest("The chat template did not render text")
+        return text, prepared.add_special_tokens
+
+    def _model_template(self, requested: str | None, body: dict[str, Any]) -> str:
+        try:
+            return self.tokenizer.get_chat_template(requested, tools=body.get("tools") or None)
+        except ValueError as exc:
+            raise InvalidRequest(f"No chat template is available for this model: {exc}") from exc
+
+    def count_chat_sync(self, body: dict[str, Any]) -> ChatPrompt:
+        text, add_special = self.render_chat(body)
+        return ChatPrompt(self.text.count(text, add_special))
+
+    async def count_chat(self, body: dict[str, Any]) -> int:
+        requested = self._templates.requested(body)  # refused before anything renders, when untrusted
+        try:
+            if requested is not None:
+                return await self._count_with_request_template(body, requested)
+            prompt = await self._run(_chat_chars(body), self.count_chat_sync, body)
+        except MediaContent:
+            if self._fallback is None:
+                raise
+            return await self._fallback.count_chat(body)
+        return prompt.token_count
+
+    def _request_template_job(self, body: dict[str, Any], requested: str) -> tuple[bytes, bool]:
+        """The sandbox's job for ``body``: validated here, with the template itself run only in the worker."""
+        template = self._model_template(requested, body)  # a name picks one of the model's named templates
+        # An empty template validates the messages and builds the arguments without running anything.
+        prepared = prepare_chat(body, "")
+        job = self._template_inputs.job(template, body["messages"], prepared, self._templates.limits)
+        return job, prepared.add_special_tokens
+
+    async def _count_with_request_template(self, body: dict[str, Any], requested: str) -> int:
+        job, add_special = await self._run(_chat_chars(body), self._request_template_job, body, requested)
+        text = await self._templates.sandbox.render(job)
+        return await self._run(len(text), self.text.count, text, add_special)
+
+    async def truncate_chat(self, body: dict[str, Any], budget: int) -> ChatTruncation:
+        requested = self._templates.requested(body)
+        messages = messages_of(body)
+        size = _chat_chars(body)
+
+        async def count(msgs: Messages) -> int:
+            if requested is not None:
+                return await self._count_with_request_template({**body, "messages": msgs}, requested)
+            return await self._run(size, lambda: self.count_chat_sync({**body, "messages": msgs}).token_count)
+
+        async def drop_front(text: str, tokens: int) -> str:
+            return await self._run(len(text), self.text.drop_front, text, tokens)
+
+        try:
+            return await truncate_messages(messages, budget, count, drop_front)
+        except MediaContent:
+            if self._fallback is None:
+                raise
+            return await self._fallback.truncate_chat(body, budget)
+
+    # -- completions
+    def _count_prompt(self, prompt: Prompt, add_special_tokens: bool) -> int:
+        return len(prompt) if isinstance(prompt, list) else self.text.count(prompt, add_special_tokens)
+
+    async def count_prompts(self, prompt: PromptField, *, add_special_tokens: bool = True) -> list[int]:
+        prompts = prompt_list(prompt)
+        size = sum(len(p) for p in prompts if isinstance(p, str))
+        return await self._run(size, lambda: [self._count_prompt(p, add_special_tokens) for p in prompts])
+
+    def _truncate_text(self, text: str, budget: int, add_special_tokens: bool) -> PromptTruncation:
+        original = self.text.count(text, add_special_tokens)
+        if original <= budget:
+            return PromptTruncation(text, original, 0)
+        room = budget - (self.text.count("", True) if add_special_tokens else 0)
+        check_budget(room, "prompt")
+        keep = room
+        while True:
+            # Cutting at a token's start can re-merge across the cut; take fewer tokens until it fits.
+            tail = self.text.keep_end(text, keep)
+            n = self.text.count(tail, add_special_tokens)
+            if n <= budget:
+                return PromptTruncation(tail, n, original - n)
+            keep -= n - budget
+
+    async def truncate_prompt(
+        self, prompt: Prompt, budget: int, *, add_special_tokens: bool = True
+    ) -> PromptTruncation:
+        if isinstance(prompt, list):
+            return keep_last_ids(prompt, budget)
+        if not isinstance(prompt, str):
+            raise prompt_shape_error(prompt)
+        return await self._run(len(prompt), self._truncate_text, prompt, budget, add_special_tokens)
+
+    # -- text pairs (score, rerank)
+    def _count_pairs(self, pairs: list[tuple[str, str]], max_first: int, max_second: int) -> list[int]:
+        # A pair encodes each text alone and joins them with the pair's special tokens ([CLS] a [SEP] b
+        # [SEP]), so its length is the sum; a text shared by many pairs (a rerank query) is counted once.
+        specials = int(self.tokenizer.num_special_tokens_to_add(pair=True))
+        known: dict[str, int] = {}
+
+        def one(text: str, bound: int) -> int:
+            n = known.get(text)
+            if n is None:
+                n = known[text] = self.text.count(text, False)
+            return min(n, bound) if bound > 0 else n
+
+        return [one(a, max_first) + one(b, max_second) + specials for a, b in pairs]
+
+    async def count_pairs(
+        self, pairs: list[tuple[str, str]], *, max_first: int = 0, max_second: int = 0
+    ) -> list[int]:
+        """Tokens of each text pair as ``tokenizer(first, text_pair=second)`` encodes it, each side first cut
+        to its bound (0: none)."""
+        size = sum(len(a) + len(b) for a, b in pairs)
+        return await self._run(size, self._count_pairs, pairs, max_first, max_second)
+
+
+def _chat_chars(body: dict[str, Any]) -> int:
+    """A cheap size of a chat request: the characters of its text, enough to choose inline or pool."""
+    total = 0
+    messages = body.get("messages")
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            texts = (p.get("text") for p in content if isinstance(p, dict))
+            total += sum(len(t) for t in texts if isinstance(t, str)) + 16 * len(content)
+        total += 16
+    if body.get("tools") or body.get("documents") or body.get("chat_template"):
+        total += INLINE_CHARS  # schemas and templates are unbounded: never inline
+    return total

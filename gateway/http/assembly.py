@@ -1,0 +1,127 @@
+"""Assembling the gateway at start-up: the engine (client, served models, metrics view), its admission, the
+supervisor in managed mode, the live page's sampler. Every part is closed by the exit stack it is built on,
+in reverse order, and every background task is owned and awaited there."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from gateway.admission import Admission
+from gateway.config import Settings
+from gateway.engine.client import Upstream
+from gateway.engine.engine import Engine
+from gateway.engine.live import EngineSnapshot, EngineView
+from gateway.errors import GatewayError
+from gateway.guard.models import Models
+from gateway.guard.parts import Parts
+from gateway.guard.status import upstream_status
+from gateway.managed.lifecycle import EngineLifecycle
+from gateway.managed.tasks import OwnedTasks
+from gateway.metrics import Metrics
+from gateway.observe.history import History, Sampler
+from gateway.redact import redact_url
+
+if TYPE_CHECKING:
+    from gateway.managed.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> Parts:
+    metrics = Metrics()
+    supervisor = _supervisor(settings, metrics)
+    engine = await build_engine(settings, metrics, stack, supervisor)
+    admission = Admission(settings, engine.view, metrics)
+    stack.push_async_callback(admission.close)
+    parts = Parts(settings, metrics, engine, admission, supervisor)
+    if supervisor is not None:
+        supervisor.admission = admission
+        supervisor.engine = engine.view
+        stack.push_async_callback(supervisor.stop)
+        # Cancelled and awaited on shutdown, before the supervisor stops the engine.
+        managing = OwnedTasks()
+        managing.spawn(_run_managed(supervisor, engine.models))
+        stack.push_async_callback(managing.close)
+    else:
+        await _read_models_once(settings, engine.models)
+    await engine.view.start()
+    stack.push_async_callback(engine.view.stop)
+    # The live page's history: one sample a second in the background, nothing on the request path.
+    parts.sampler = Sampler(History(), metrics, admission.status, lambda: dict(upstream_status(parts)))
+    await parts.sampler.start()
+    stack.push_async_callback(parts.sampler.stop)
+    if engine.models.cached is not None:
+        # Load the tokenizer now rather than on the first request.
+        with contextlib.suppress(GatewayError):
+            await engine.models.counter()
+    freeze_heap()
+    return parts
+
+
+async def build_engine(
+    settings: Settings, metrics: Metrics, stack: contextlib.AsyncExitStack, supervisor: Supervisor | None
+) -> Engine[Models]:
+    """The engine's one HTTP client, its served models (with the tokenizer loader) and its metrics view."""
+    # Tokenization threads: the work holds the GIL only partly (the Rust tokenizer releases it).
+    executor = stack.enter_context(ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
+    client = Upstream(settings, base_url=(lambda: supervisor.url) if supervisor is not None else None)
+    await client.start()
+    stack.push_async_callback(client.close)
+    view = EngineView(
+        client.get, interval=settings.scrape_interval, stale_after=settings.metrics_stale_after, metrics=metrics
+    )
+    models = Models(settings, client, metrics, executor)
+    stack.push_async_callback(models.templates.close)
+    if supervisor is None:
+
+        def on_snapshot(old: EngineSnapshot, new: EngineSnapshot) -> None:
+            metrics.set_upstream_state(EngineLifecycle.READY if new.ok else EngineLifecycle.DOWN)
+
+        view.on_snapshot(on_snapshot)
+    # An engine back from an outage may serve another context length (a restart, an auto-fit).
+    view.on_snapshot(models.follow)
+    return Engine(client, models, view)
+
+
+def _supervisor(settings: Settings, metrics: Metrics) -> Supervisor | None:
+    if not settings.managed:
+        return None
+    from gateway.managed.supervisor import Supervisor
+
+    return Supervisor(settings, metrics)
+
+
+async def _read_models_once(settings: Settings, models: Models) -> None:
+    with contextlib.suppress(GatewayError):
+        await models.refresh()
+    if models.cached is None:
+        log.warning("the upstream %s is not reachable yet; requests get 503 until it is", redact_url(settings.upstream))
+
+
+def freeze_heap() -> None:
+    """Keep the start-up heap (transformers, the tokenizer: ~400K objects) out of garbage collection.
+
+    A full collection over it took ~200 ms here, and under load one fell on a request every few hundred:
+    measured, it was most of the gateway's CPU time per request. Objects created later are still collected.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+async def _run_managed(supervisor: Supervisor, models: Models) -> None:
+    try:
+        await supervisor.start()
+        await models.refresh()
+        await models.counter()
+        freeze_heap()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("the managed engine did not start; requests get 503 until POST /guard/restart mends it")
+    # Watch even after a failed start: a manual restart brings the engine back under supervision.
+    await supervisor.run()

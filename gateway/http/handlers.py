@@ -1,0 +1,99 @@
+"""The gateway's own routes (models, health, metrics, status, restart, the live page) and the pass-through
+routes, added to the app at their canonical paths. Guarded routes never reach here: ``app.GuardedFastPath``
+serves them, and has already refused every unknown path and method."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import orjson
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+from gateway.errors import InvalidRequest
+from gateway.guard.parts import Parts
+from gateway.guard.status import upstream_status
+from gateway.http import passthrough, ui
+from gateway.http.auth import authenticate
+from gateway.http.routes import RouteTable
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def parts_of(request: Request) -> Parts:
+    parts: Parts = request.app.state.parts
+    return parts
+
+
+def json(body: object, status_code: int = 200) -> Response:
+    return Response(orjson.dumps(body), status_code=status_code, media_type="application/json")
+
+
+async def list_models(request: Request) -> Response:
+    return await passthrough.list_models(parts_of(request), request)
+
+
+async def health(request: Request) -> Response:
+    up = upstream_status(parts_of(request))
+    ready = up["state"] == "ready"
+    body = {"status": "ok" if ready else "unavailable", "gateway": "ok", "upstream": up}
+    return json(body, 200 if ready else 503)
+
+
+async def metrics(request: Request) -> Response:
+    parts = parts_of(request)
+    parts.admission.publish()  # the gauges that move with time (freshness, live usage), as of this read
+    data, ctype = parts.metrics.render()
+    return Response(data, media_type=ctype)
+
+
+async def status(request: Request) -> Response:
+    parts = parts_of(request)
+    authenticate(parts.settings, request)
+    up = upstream_status(parts)
+    body: dict[str, object] = {**parts.admission.status(), "upstream": up, "restarts": up["restarts"]}
+    if parts.supervisor is not None:
+        body["engine"] = parts.supervisor.status()
+    return json(body)
+
+
+async def restart(request: Request) -> Response:
+    parts = parts_of(request)
+    authenticate(parts.settings, request, admin=True)
+    if parts.supervisor is None:
+        raise InvalidRequest("Restart needs managed mode (--managed); this gateway guards an external engine.")
+    parts.supervisor.request_restart("manual")
+    return json({"restarting": True}, 202)
+
+
+def live_page() -> Handler:
+    html = ui.load_page()  # read once, at start-up
+
+    async def page(request: Request) -> Response:
+        return ui.page(html)
+
+    return page
+
+
+async def live_data(request: Request) -> Response:
+    parts = parts_of(request)
+    return ui.data(parts.settings, request, parts.sampler, dict(upstream_status(parts)))
+
+
+def forwarding(path: str) -> Handler:
+    async def forward(request: Request) -> Response:
+        return await passthrough.passthrough(parts_of(request), request, path)
+
+    return forward
+
+
+def add_routes(app: FastAPI, table: RouteTable) -> None:
+    handlers: dict[str, Handler] = {
+        "models": list_models, "health": health, "metrics": metrics, "status": status, "restart": restart,
+        "ui": live_page(), "ui_data": live_data,
+    }
+    for route in table.routes():
+        if route.kind == "gateway":
+            app.add_api_route(route.path, handlers[route.name], methods=[route.method], name=route.name)
+        elif route.kind == "passthrough":
+            app.add_api_route(route.path, forwarding(route.path), methods=[route.method], name=route.path)

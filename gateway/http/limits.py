@@ -1,0 +1,31 @@
+"""What one connection may hold: the limits of ``Settings`` that the server's protocol enforces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.config import Settings
+from gateway.http.body import BodyLimits
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """The limits of ``Settings`` that the protocol enforces (their meanings and defaults are there)."""
+
+    max_header_bytes: int
+    max_headers: int
+    header_timeout: float
+    keep_alive_timeout: float
+    max_connections: int
+    body: BodyLimits
+
+    @classmethod
+    def of(cls, settings: Settings) -> ConnectionLimits:
+        return cls(
+            max_header_bytes=settings.max_header_bytes,
+            max_headers=settings.max_headers,
+            header_timeout=settings.header_timeout,
+            keep_alive_timeout=settings.keep_alive_timeout,
+            max_connections=settings.max_connections,
+            body=BodyLimits.of(settings),
+        )

@@ -1,0 +1,219 @@
+"""The adaptive policy: admitting past the ledger on the projection, backing off, and falling back to the ledger."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+
+from gateway.admission.projection import (
+    Optimism,
+    Outlook,
+    OutputEstimate,
+    Projector,
+    credited_progress,
+    growth,
+    project,
+)
+from gateway.engine.live import never_scraped
+from tests.unit.admission.rig import Rig, adaptive_rig_with_short_outputs, enter, release_all, settle, vllm_text
+
+
+# -- adaptive, through the controller --------------------------------------------------------------
+@pytest.mark.parametrize(("policy", "admitted"), [("strict", 0), ("adaptive", 5)])
+async def test_adaptive_admits_past_the_ledger_when_requests_stop_early(policy: str, admitted: int) -> None:
+    rig, running = await adaptive_rig_with_short_outputs(policy)
+    extra = [rig.req(10) for _ in range(5)]
+    tasks = [enter(r) for r in extra]
+    await settle()
+    assert sum(r.admitted for r in extra) == admitted
+    status = rig.adm.status()
+    assert status["output_estimate_tokens"] == 8 and status["live_used_blocks"] == 10
+    if policy == "adaptive":
+        assert rig.adm.committed == 150
+        assert status["admit_limit_blocks"] > status["budget_blocks"] == 100
+    await release_all(rig, running + extra, tasks)
+
+
+async def test_adaptive_backs_off_on_preemptions_and_recovers_additively() -> None:
+    rig, running = await adaptive_rig_with_short_outputs()
+    for preemptions in (1, 2, 3, 4, 5):
+        for r in running:
+            r.observe_output_tokens(8 + preemptions)
+        rig.clock.now += 0.1
+        await rig.scrape(0.20, preemptions=preemptions)
+    assert rig.adm.optimism == 0.0  # 1 -> 1/2 -> ... -> 1/32, below the floor
+    extra = rig.req(10)
+    task = enter(extra)
+    await settle()
+    # Each running request holds 2 blocks (8 + 13 tokens) and may grow by 8: 20 + 10 x 8 + 10 > 100.
+    assert not extra.admitted
+    for _ in range(5):
+        rig.clock.now += 1.0
+        for r in running:
+            r.observe_output_tokens(16)
+        await rig.scrape(0.20, preemptions=5)
+    assert rig.adm.optimism == pytest.approx(0.10)
+    await release_all(rig, [*running, extra], [task])
+
+
+async def test_adaptive_trusts_only_the_ledger_when_metrics_go_stale() -> None:
+    rig, running = await adaptive_rig_with_short_outputs()
+    rig.clock.now += 2.5
+    extra = rig.req(10)
+    task = enter(extra)
+    await settle()
+    rig.adm.tick()
+    assert not extra.admitted and rig.adm.status()["engine"]["stale"] is True
+    rig.upstream.down = True
+    await rig.view.refresh()  # type: ignore[union-attr]
+    assert not extra.admitted
+    rig.upstream.down = False
+    for r in running:
+        r.observe_output_tokens(9)
+    rig.clock.now += 0.1
+    await rig.scrape(0.10)
+    assert extra.admitted  # fresh again
+    await release_all(rig, [*running, extra], [task])
+
+
+async def test_adaptive_without_engine_metrics_is_the_ledger() -> None:
+    rig, running = await adaptive_rig_with_short_outputs()
+    rig.upstream.text = vllm_text(0.1).replace("vllm:kv_cache_usage_perc", "other_usage")
+    await rig.view.refresh()  # type: ignore[union-attr]
+    extra = rig.req(10)
+    task = enter(extra)
+    await settle()
+    assert not extra.admitted
+    await release_all(rig, [*running, extra], [task])
+
+
+@pytest.mark.parametrize(("progress", "admitted"), [(True, 4), (False, 4)])
+async def test_adaptive_counts_in_flight_requests_at_their_expected_end(progress: bool, admitted: int) -> None:
+    """Requests of a 152-token prompt allowed 168 tokens (20 blocks) stop after 8: five fill the ledger
+    and hold 10 blocks each. Seen progressing, each may add 1 block on top of live usage (50 + 5 + 4 x 11
+    <= 100). Not seen since the snapshot's window, it may be waiting or preempted, so live usage may not hold
+    it; but the five together end at 5 x 11 = 55 blocks whatever they hold now (55 + 4 x 11 <= 100), so
+    unknown progress no longer counts what a request holds twice."""
+    rig = Rig(engine=True)
+    await rig.scrape(0.0)
+    for _ in range(8):
+        async with rig.req(20, prompt=152) as done:
+            done.observe_output_tokens(8)
+    running = [await rig.req(20, prompt=152).__aenter__() for _ in range(5)]
+    for r in running:
+        r.observe_output_tokens(8)
+    rig.clock.now += 0.1 if progress else 1.0
+    await rig.scrape(0.50)
+    extra = [rig.req(20, prompt=152) for _ in range(6)]
+    tasks = [enter(r) for r in extra]
+    await settle()
+    assert sum(r.admitted for r in extra) == admitted
+    await release_all(rig, running + extra, tasks)
+
+
+# -- the projection on its own ------------------------------------------------------------------------
+@dataclass
+class Booked:
+    """A request of a 152-token prompt allowed 168 tokens: 20 blocks of 16."""
+
+    prompt_tokens: int = 152
+    max_tokens: int = 168
+    n: int = 1
+    blocks: int = 20
+    generated: int = 0
+    credited: int | None = None
+    credits: int = 0
+
+    def credit(self, taken_at: float, window: float) -> None:
+        self.credits += 1
+        self.credited = self.generated
+
+    def forget_credit(self) -> None:
+        self.credited = None
+
+
+@pytest.mark.parametrize(
+    ("booked", "outlook", "grows"),
+    [
+        (Booked(), Outlook(1.0, None), 20),  # no estimate yet: the worst case
+        (Booked(), Outlook(0.0, 8), 20),  # no optimism: the worst case
+        (Booked(), Outlook(1.0, 8), 10),  # expected to stop after 8 tokens: ceil(160 / 16)
+        (Booked(), Outlook(0.5, 8), 15),  # halfway between: 20 - floor(0.5 x 10)
+        (Booked(generated=8), Outlook(1.0, 8), 11),  # 2 x 8 generated: 168 tokens, still 11 blocks
+        (Booked(generated=40), Outlook(1.0, 8), 15),  # 2 x 40 generated: 232 tokens
+        (Booked(generated=8, credited=8), Outlook(1.0, 8), 1),  # holds 10 already (152 + 8 tokens)
+        (Booked(generated=8, credited=8), Outlook(0.0, 8), 10),
+    ],
+)
+def test_growth_goes_from_the_worst_case_to_the_expected_end(booked: Booked, outlook: Outlook, grows: int) -> None:
+    assert growth(booked, 16, outlook) == grows
+
+
+def test_growth_without_credit_is_the_expected_final_size() -> None:
+    credited = Booked(generated=8, credited=8)
+    assert growth(credited, 16, Outlook(1.0, 8), use_credit=False) == 11
+
+
+def test_the_projection_keeps_the_smaller_of_its_two_bounds() -> None:
+    outlook = Outlook(1.0, 8)
+    progressing = [Booked(generated=8, credited=8) for _ in range(5)]
+    unknown = [Booked(generated=8) for _ in range(5)]
+    # Seen progressing: live usage plus one block each; ends at 5 x 11 = 55 together.
+    assert project(50, progressing, 16, outlook) == min(50 + 5 * 1, max(50, 5 * 11)) == 55
+    # Progress unknown: on top of live usage they would count twice (50 + 55); their final sizes bound it.
+    assert project(50, unknown, 16, outlook) == 55
+    assert project(70, unknown, 16, outlook) == 70  # never below what the engine holds now
+    assert project(0, [], 16, outlook) == 0
+
+
+def test_credited_progress_is_the_newest_checkpoint_in_the_window_less_what_runs_ahead() -> None:
+    checkpoints = [(1.0, 10), (1.5, 20), (2.5, 30)]
+    assert credited_progress(checkpoints, 2.0, 1.0, 1) == 20 - 4
+    assert credited_progress(checkpoints, 3.0, 1.0, 2) == 30 - 6
+    assert credited_progress(checkpoints, 2.0, 0.4, 1) is None  # nothing seen shortly before
+    assert credited_progress([(1.0, 3)], 1.0, 1.0, 1) == 0
+
+
+def test_optimism_halves_on_preemptions_drops_to_zero_and_recovers_slowly() -> None:
+    optimism = Optimism()
+    assert optimism.observe(0.0, None) == 0 and optimism.value == 1.0
+    assert optimism.observe(2.0, 0.25) == 2.0 and optimism.value == 0.5
+    for total in (3.0, 4.0, 5.0):
+        optimism.observe(total, 0.25)
+    assert optimism.value == 1 / 16
+    optimism.observe(6.0, 0.25)
+    assert optimism.value == 0.0  # below the floor
+    optimism.observe(6.0, 1.0)
+    assert optimism.value == pytest.approx(0.02)
+    optimism.observe(6.0, 600.0)  # a long gap (an outage) counts as two seconds at most
+    assert optimism.value == pytest.approx(0.06)
+    optimism.observe(6.0, None)  # no previous good snapshot: no clean time
+    assert optimism.value == pytest.approx(0.06)
+    optimism.observe(1.0, 1.0)  # the counter restarted with the engine: one new preemption
+    assert optimism.value == 0.0  # halved below the floor
+
+
+def test_the_output_estimate_waits_for_eight_samples_and_remembers_sixty_four() -> None:
+    outputs = OutputEstimate()
+    for tokens in range(1, 8):
+        outputs.add(tokens)
+    assert outputs.longest() is None
+    outputs.add(100)
+    assert outputs.longest() == 100
+    for _ in range(64):
+        outputs.add(5)
+    assert outputs.longest() == 5
+
+
+def test_the_projector_credits_progress_on_good_snapshots_and_forgets_it_on_bad_ones() -> None:
+    projector = Projector(credit_window=0.5)
+    good = replace(never_scraped(1.0), ok=True, has_metrics=True, preemptions_total=0.0)
+    running = [Booked(generated=8)]
+    projector.observe(never_scraped(0.0), good, running)
+    assert running[0].credited == 8 and running[0].credits == 1
+    projector.observe(good, replace(good, taken_at=2.0, preemptions_total=3.0), running)
+    assert projector.optimism.value == 0.5
+    projector.observe(good, never_scraped(3.0), running)
+    assert running[0].credited is None and projector.optimism.value == 0.5
+    assert projector.outlook() == Outlook(0.5, None)
