@@ -29,6 +29,7 @@ from gateway.guard.parts import Parts
 from gateway.guard.policy import Limits, effective_max_model_len
 from gateway.guard.pooling import PoolingRequest
 from gateway.guard.protocol import GuardedRequest, parse_chat, parse_completion, parse_responses
+from gateway.managed.lifecycle import EngineLifecycle
 from gateway.managed.logfacts import engine_death_reply
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def record_refusal(parts: Parts, route: str, exc: GatewayError) -> None:
 def refuse_while_starting(parts: Parts) -> None:
     """While a managed engine starts or is down, answer 503 at once; during a restart requests queue."""
     sup = parts.supervisor
-    if sup is not None and sup.state in ("starting", "down"):
+    if sup is not None and sup.state in (EngineLifecycle.STARTING, EngineLifecycle.DOWN):
         raise UpstreamUnavailable(
             f"The engine is {sup.state}; retry shortly.", code=f"upstream_{sup.state}",
             retry_after=sup.retry_after(),
@@ -167,7 +168,9 @@ def engine_failed(parts: Parts, exc: GatewayError) -> bool:
     sup = parts.supervisor
     if sup is None or exc.client_fault:
         return False
-    return sup.state != "ready" or isinstance(exc, UpstreamUnavailable) or engine_death_reply(exc.message)
+    if sup.state is not EngineLifecycle.READY or isinstance(exc, UpstreamUnavailable):
+        return True
+    return engine_death_reply(exc.message)
 
 
 def engine_failure(parts: Parts) -> UpstreamUnavailable:

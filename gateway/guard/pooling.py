@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from gateway.config import PromptOverflowPolicy
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guard.policy import Limits
-from gateway.guard.prompts import is_int, json_type
+from gateway.guard.prompts import flag, is_ids, is_int, json_type
 from gateway.guard.protocol import model_field
 
 if TYPE_CHECKING:
@@ -149,8 +149,8 @@ def _parse_encoding(route: PoolingRoute, body: dict[str, Any], *, batches: bool)
         inputs: Inputs = Chats(bodies)
     else:
         prompts = _prompt_list(raw)
-        params = ["input"] if not isinstance(raw, list) or _is_ids(raw) else [f"input[{i}]" for i in range(len(raw))]
-        inputs = Texts(prompts, _flag(body, "add_special_tokens", True))
+        params = ["input"] if not isinstance(raw, list) or is_ids(raw) else [f"input[{i}]" for i in range(len(raw))]
+        inputs = Texts(prompts, flag(body, "add_special_tokens", True))
     return PoolingRequest(route, body, model_field(body), inputs, params, *_length_options(body))
 
 
@@ -174,9 +174,9 @@ def _chat_body(body: dict[str, Any], conversation: list[Any]) -> dict[str, Any]:
     """The chat request vLLM renders for one conversation of a pooling request (its own defaults)."""
     chat: dict[str, Any] = {
         "messages": conversation,
-        "add_generation_prompt": _flag(body, "add_generation_prompt", False),
-        "continue_final_message": _flag(body, "continue_final_message", False),
-        "add_special_tokens": _flag(body, "add_special_tokens", False),
+        "add_generation_prompt": flag(body, "add_generation_prompt", False),
+        "continue_final_message": flag(body, "continue_final_message", False),
+        "add_special_tokens": flag(body, "add_special_tokens", False),
     }
     for key in ("chat_template", "chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs"):
         if body.get(key) is not None:
@@ -190,9 +190,9 @@ def _prompt_list(raw: Any) -> list[str | list[int]]:
     if isinstance(raw, list) and raw:
         if all(isinstance(p, str) for p in raw):
             return list(raw)
-        if _is_ids(raw):
+        if is_ids(raw):
             return [list(raw)]
-        if all(_is_ids(p) for p in raw):
+        if all(is_ids(p) for p in raw):
             return [list(p) for p in raw]
     raise InvalidRequest(
         "'input' must be a string, a non-empty list of strings, a list of token ids, or a list of non-empty token "
@@ -303,19 +303,6 @@ def _is_conversation(v: Any) -> bool:
 
 def _is_batch(v: Any) -> bool:
     return isinstance(v, list) and bool(v) and all(_is_conversation(c) for c in v)
-
-
-def _is_ids(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(is_int(t) for t in v)
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise InvalidRequest(f"'{name}' must be a boolean, not {json_type(value)}.", param=name)
-    return value
 
 
 def _non_negative(body: dict[str, Any], name: str) -> int:

@@ -9,36 +9,9 @@ from gateway.admission import Admission, Reservation
 from gateway.config import Settings
 from gateway.engine.live import EngineView
 from gateway.metrics import Metrics
+from tests.support.clock import FakeClock, ManualSleep
 
 BS = 16
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class ManualSleep:
-    """An injectable sleep: records each call and returns only when the test wakes it."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-        self.pending: list[asyncio.Future[None]] = []
-
-    async def __call__(self, delay: float) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.delays.append(delay)
-        self.pending.append(fut)
-        await fut
-
-    def wake(self) -> None:
-        for fut in self.pending:
-            if not fut.done():
-                fut.set_result(None)
-        self.pending.clear()
 
 
 def vllm_text(kv_usage: float, preemptions: float = 0.0, blocks: int = 100, block_size: int = BS) -> str:

@@ -17,36 +17,7 @@ from gateway.observe.history import (
     percentiles,
     thinned,
 )
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class ManualSleep:
-    """An injectable sleep that returns only when the test wakes it."""
-
-    def __init__(self) -> None:
-        self.delays: list[float] = []
-        self.pending: list[asyncio.Future[None]] = []
-
-    async def __call__(self, delay: float) -> None:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.delays.append(delay)
-        self.pending.append(fut)
-        await fut
-
-    async def wake(self) -> None:
-        for fut in self.pending:
-            if not fut.done():
-                fut.set_result(None)
-        self.pending.clear()
-        for _ in range(3):
-            await asyncio.sleep(0)
+from tests.support.clock import FakeClock, ManualSleep
 
 
 class Gateway:
@@ -260,9 +231,9 @@ async def test_the_sampler_samples_each_interval_until_stopped() -> None:
     await sampler.start()
     await asyncio.sleep(0)
     assert sampler.history.last_id == 0  # nothing before the first interval: the engine's state is unknown
-    await sleep.wake()
+    await sleep.wake_and_run()
     assert sampler.history.last_id == 1
-    await sleep.wake()
+    await sleep.wake_and_run()
     assert sampler.history.last_id == 2
     assert sleep.delays[:2] == [1.0, 1.0]
     task = sampler._task
@@ -285,8 +256,8 @@ async def test_a_failing_sample_does_not_end_the_history(caplog: pytest.LogCaptu
     sampler = Sampler(History(), Metrics(), flaky, gw.upstream_status, clock=clock, sleep=sleep)
     await sampler.start()
     await asyncio.sleep(0)
-    await sleep.wake()
-    await sleep.wake()
+    await sleep.wake_and_run()
+    await sleep.wake_and_run()
     assert sampler.history.last_id == 1
     assert "sampling the gateway for /guard/ui failed" in caplog.text
     await sampler.stop()
