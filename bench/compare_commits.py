@@ -27,7 +27,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from overhead import CHAT, SIM_CODE, STREAM, free_port, load, pinned, process, wait_http  # noqa: E402
 
-MEASURES = ("latency c=1 p50 (ms)", "latency c=1 p99 (ms)", "req/s c=64", "p99 c=64 (ms)", "streams/s c=16")
+MEASURES = (
+    "latency c=1 p50 (ms)", "latency c=1 p99 (ms)", "req/s c=64", "p99 c=64 (ms)", "gateway CPU per request c=64 (us)",
+    "streams/s c=16",
+)
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """The process's user + system CPU time: what a request costs the gateway, whatever the load generator's speed."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 @contextlib.contextmanager
@@ -43,7 +53,7 @@ def worktree(ref: str) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def gateway(tree: Path, upstream: str, tokenizer: Path) -> Iterator[str]:
+def gateway(tree: Path, upstream: str, tokenizer: Path) -> Iterator[tuple[str, int]]:
     """``vllm-guard serve`` from ``tree``'s own source (it comes first on the path)."""
     port = free_port()
     cmd = [
@@ -55,7 +65,7 @@ def gateway(tree: Path, upstream: str, tokenizer: Path) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health")
-        yield url
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -64,15 +74,17 @@ def gateway(tree: Path, upstream: str, tokenizer: Path) -> Iterator[str]:
             proc.kill()
 
 
-def measure(url: str, seconds: float) -> dict[str, float]:
+def measure(url: str, pid: int, seconds: float) -> dict[str, float]:
     c1 = load(url + "/v1/chat/completions", CHAT, 1, seconds)
+    cpu0 = cpu_seconds(pid)
     c64 = load(url + "/v1/chat/completions", CHAT, 64, seconds)
+    cpu_per_request = (cpu_seconds(pid) - cpu0) / max(1, c64.requests) * 1e6
     s16 = load(url + "/v1/chat/completions", STREAM, 16, seconds)
     if c1.errors or c64.errors or s16.errors:
         raise SystemExit(f"{url}: non-200 answers during the load")
     return {
         "latency c=1 p50 (ms)": c1.p50_ms, "latency c=1 p99 (ms)": c1.p99_ms, "req/s c=64": c64.rps,
-        "p99 c=64 (ms)": c64.p99_ms, "streams/s c=16": s16.rps,
+        "p99 c=64 (ms)": c64.p99_ms, "gateway CPU per request c=64 (us)": cpu_per_request, "streams/s c=16": s16.rps,
     }
 
 
@@ -94,16 +106,16 @@ def main() -> int:
         worktree(args.baseline) as base_tree,
         process([*pinned(0), sys.executable, "-c", SIM_CODE.format(root=str(ROOT), port=sim_port)],
                 sim_url + "/health"),
-        gateway(ROOT, sim_url, tokenizer) as new_url,
-        gateway(base_tree, sim_url, tokenizer) as old_url,
+        gateway(ROOT, sim_url, tokenizer) as (new_url, new_pid),
+        gateway(base_tree, sim_url, tokenizer) as (old_url, old_pid),
     ):
         for url in (new_url, old_url):
             for body in (CHAT, STREAM):
                 load(url + "/v1/chat/completions", body, 4, 1.0)  # warm-up
         for k in range(args.rounds):
-            order = [("this tree", new_url), (args.baseline, old_url)]
-            for name, url in order if k % 2 == 0 else reversed(order):
-                runs[name].append(measure(url, args.seconds))
+            order = [("this tree", new_url, new_pid), (args.baseline, old_url, old_pid)]
+            for name, url, pid in order if k % 2 == 0 else reversed(order):
+                runs[name].append(measure(url, pid, args.seconds))
                 print(f"round {k + 1}: {name}: {runs[name][-1]}", flush=True)
     lines = [
         f"Command: `python bench/compare_commits.py --baseline {args.baseline} --seconds {args.seconds:g} "

@@ -11,7 +11,6 @@ is the fast path: ``bytes.find`` only, and a read that is exactly one event is f
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator
 
 from gateway.engine.client import UpstreamStream, decoder_for
 from gateway.errors import BadUpstreamResponse
@@ -117,17 +116,3 @@ def require_event_stream(stream: UpstreamStream) -> None:
     if not ctype.startswith("text/event-stream"):
         raise BadUpstreamResponse(f"The upstream answered a stream request with content-type {ctype!r}.")
     decoder_for(stream.headers)  # an encoding it cannot decode is refused here too
-
-
-async def stream_events(stream: UpstreamStream, limit: int) -> AsyncIterator[bytes]:
-    """The whole events of an upstream stream, decoded if the upstream compressed it though asked not to.
-    Raises ``BadUpstreamResponse`` for a stream that breaks mid-event or carries an event over ``limit`` bytes."""
-    decoder = decoder_for(stream.headers)
-    framer = SSEFramer(limit)
-    async for chunk in stream.chunks():
-        for event in framer.feed(decoder.decode(chunk, framer.limit) if decoder is not None else chunk):
-            yield event
-    for event in framer.feed(decoder.finish()) if decoder is not None else ():
-        yield event
-    for event in framer.close():
-        yield event

@@ -6,6 +6,7 @@ parsed); the pipeline reads it and records what it did in ``outcome``. Nothing h
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,10 +33,12 @@ class RequestContext:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """The head of the guard's answer: a whole JSON ``body``, or ``None`` when server-sent events follow."""
+    """The guard's answer: a whole JSON ``body``, or the ``events`` of a stream (whole server-sent events, to be
+    written one per write; a ``GatewayError`` raised while reading them is the stream's break)."""
 
     headers: dict[str, str]
     body: bytes | None = None
+    events: AsyncIterator[bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,10 +11,10 @@ from collections.abc import AsyncGenerator
 import orjson
 
 from gateway.admission import Reservation
-from gateway.engine.client import UpstreamStream
-from gateway.engine.sse import counts_as_token, stream_events
+from gateway.engine.client import UpstreamStream, decoder_for
+from gateway.engine.sse import SSEFramer, counts_as_token
 from gateway.engine.vllm_api import upstream_error_from
-from gateway.errors import BadUpstreamResponse
+from gateway.errors import BadUpstreamResponse, GatewayError
 from gateway.guard.parts import Parts
 
 log = logging.getLogger(__name__)
@@ -80,30 +80,52 @@ def output_tokens(usage: object) -> int | None:
     return value
 
 
-async def progress_events(
-    parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation, t0: float
-) -> AsyncGenerator[bytes, None]:
-    """The stream's whole events, one at a time. Each data event is one generated token (vLLM streams each
-    step): cheap progress for admission. A break raises ``GatewayError`` after the last whole event."""
-    tokens = 0
-    first = True
-    async for event in stream_events(stream, parts.settings.max_stream_event_bytes):
-        if first:
-            parts.metrics.record_ttft(route, time.perf_counter() - t0)
-            first = False
-        if counts_as_token(event):
-            tokens += 1
-            reservation.observe_output_tokens(tokens)
-        yield event
+class EngineStream:
+    """One upstream stream relayed one whole event at a time (``SSEFramer``: whatever the upstream's read
+    boundaries), each data event counted as one generated token (vLLM streams each step): cheap progress for
+    admission. A break raises ``GatewayError`` after the last whole event. ``finish`` frees everything exactly
+    once, whether the stream ended, broke, or never started (a client gone before the first event)."""
 
+    def __init__(self, parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation) -> None:
+        self.parts, self.route, self.stream, self.reservation = parts, route, stream, reservation
+        self.t0 = time.perf_counter()
+        self.outcome = "cancelled"  # until the stream ends or breaks
+        self._done = False
 
-def finish_stream(
-    parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation, outcome: str, t0: float
-) -> None:
-    """Free what a stream held, whether it ended, broke, or never started (a client gone before the first
-    event). Synchronous on purpose: this also runs in a task cancelled because its client went away. A cut
-    stream's short output must not teach admission that outputs are short: only "ok" completes."""
-    close(parts, stream)
-    reservation.release(completed=outcome == "ok")
-    parts.metrics.record_upstream_latency(route, time.perf_counter() - t0)
-    parts.metrics.record_request(route, outcome)
+    async def events(self) -> AsyncGenerator[bytes, None]:
+        framer = SSEFramer(self.parts.settings.max_stream_event_bytes)
+        decoder = decoder_for(self.stream.headers)  # an upstream that compressed though asked not to
+        tokens = 0
+        first = True
+        try:
+            async for chunk in self.stream.chunks():
+                events = framer.feed(decoder.decode(chunk, framer.limit) if decoder is not None else chunk)
+                if not events:
+                    continue
+                if first:
+                    self.parts.metrics.record_ttft(self.route, time.perf_counter() - self.t0)
+                    first = False
+                tokens += sum(1 for event in events if counts_as_token(event))
+                self.reservation.observe_output_tokens(tokens)
+                for event in events:
+                    yield event
+            for event in framer.feed(decoder.finish()) if decoder is not None else ():
+                yield event
+            for event in framer.close():
+                yield event
+            self.outcome = "ok"
+        except GatewayError as exc:
+            self.outcome = "error"
+            log.warning("stream cut by the upstream: %s", exc.message)
+            raise
+
+    def finish(self) -> None:
+        """Synchronous on purpose: this also runs in a task cancelled because its client went away. A cut
+        stream's short output must not teach admission that outputs are short: only "ok" completes."""
+        if self._done:
+            return
+        self._done = True
+        close(self.parts, self.stream)
+        self.reservation.release(completed=self.outcome == "ok")
+        self.parts.metrics.record_upstream_latency(self.route, time.perf_counter() - self.t0)
+        self.parts.metrics.record_request(self.route, self.outcome)

@@ -5,17 +5,17 @@
     parse -> refuse while the engine starts -> engine limits -> plan (count, prompt policy, output policy,
     KV fit) -> admit (reserve, or queue, or shed) -> exchange (forward, or stream) -> release
 
-It is an async generator: it yields the answer's head (a ``Reply``), then, for a stream, each whole event. The
-reservation is held by an ``async with`` around the exchange, so it is released exactly once on every exit:
-the end of the answer, an upstream failure, a client that goes away (the HTTP layer closes the generator or
-cancels its task), a timeout. Every stage raises ``GatewayError``; only the HTTP layer turns errors into answers.
+It is an async generator that yields one ``Reply``: a whole JSON body, or the head of a stream with its events
+to read. The reservation is held by an ``async with`` around the exchange, and the generator stays suspended
+at its ``yield`` while the HTTP layer writes the answer; so the reservation is released exactly once on every
+exit: the end of the answer (the HTTP layer closes the generator), an upstream failure, a client that goes
+away (closed, or its task cancelled), a timeout. Every stage raises ``GatewayError``; only the HTTP layer
+turns errors into answers.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
@@ -43,7 +43,7 @@ GENERATING: dict[str, Callable[[dict[str, Any]], GuardedRequest]] = {
 POOLING: dict[str, Callable[[dict[str, Any]], PoolingRequest]] = pooling.PARSERS
 
 
-async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply | bytes, None]:
+async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, None]:
     answered = False  # once the head is out, a failure is the stream's own and was counted by it
     try:
         req = parse(ctx.route, ctx.body)
@@ -83,7 +83,7 @@ async def engine_limits(parts: Parts, req: GuardedRequest | PoolingRequest) -> t
 
 async def admit_and_exchange(
     parts: Parts, ctx: RequestContext, body: bytes, booking: Booking
-) -> AsyncGenerator[Reply | bytes, None]:
+) -> AsyncGenerator[Reply, None]:
     """Hold a reservation (waiting in the queue if need be) for the exchange with the engine. A managed engine
     that dies under the request before anything reached the client gets it once more after its restart."""
     answered = False  # a stream that breaks after its head is never sent again
@@ -113,10 +113,11 @@ async def admit_and_exchange(
 
 async def exchange_with_engine(
     parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, reservation: Reservation
-) -> AsyncGenerator[Reply | bytes, None]:
-    """Forward and read the answer whole, or open the stream and relay its events. Upstream errors raised
-    here come before anything was sent to the client (they may be retried); a stream's own break comes
-    after its head and is the HTTP layer's to write as an error event."""
+) -> AsyncGenerator[Reply, None]:
+    """Forward and read the answer whole, or open the stream and hand its events to the HTTP layer, holding
+    the reservation until the HTTP layer closes this generator. Upstream errors raised here come before
+    anything was sent to the client (they may be retried); a stream's own break comes while the HTTP layer
+    reads its events, and is the HTTP layer's to write as an error event."""
     stream = await exchange.open_upstream(parts, ctx.path, body, ctx.request_id)
     if not booking.stream:
         learner = reservation if booking.learns_output else None
@@ -130,20 +131,12 @@ async def exchange_with_engine(
     except GatewayError:
         exchange.close(parts, stream)
         raise
-    t0 = time.perf_counter()
-    outcome = "cancelled"
+    relay = exchange.EngineStream(parts, ctx.route, stream, reservation)
     try:
-        yield Reply({**ctx.outcome.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"})
-        async with contextlib.aclosing(exchange.progress_events(parts, ctx.route, stream, reservation, t0)) as events:
-            async for event in events:
-                yield event
-        outcome = "ok"
-    except GatewayError as exc:
-        outcome = "error"
-        log.warning("request %s: stream cut by the upstream: %s", ctx.request_id, exc.message)
-        raise
+        headers = {**ctx.outcome.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"}
+        yield Reply(headers, events=relay.events())
     finally:
-        exchange.finish_stream(parts, ctx.route, stream, reservation, outcome, t0)
+        relay.finish()
 
 
 # -- small stages ---------------------------------------------------------------------------------

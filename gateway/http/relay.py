@@ -55,33 +55,43 @@ async def serve_guarded(parts: Parts, request: Request, route: str, path: str) -
         return Response(status_code=499)
     finally:
         watcher.stop()
-    assert isinstance(head, Reply)
-    if head.body is not None:
+    if head.events is None:
         await answer.aclose()
         return Response(head.body, status_code=200, media_type="application/json", headers=head.headers)
-    return EventStreamResponse(answer, head.headers)
+    return EventStreamResponse(answer, head.events, head.headers)
 
 
 class EventStreamResponse(StreamingResponse):
-    """The rest of a guarded stream; the pipeline is closed whatever happens to the client."""
+    """A guarded stream: its events one per write, an error after the last whole event as error events of
+    their own; then the pipeline is closed, which frees the reservation, whatever happened to the client.
 
-    def __init__(self, answer: AsyncGenerator[Reply | bytes, None], headers: dict[str, str]) -> None:
-        self.answer = answer
-        super().__init__(self._events(), media_type="text/event-stream", headers=headers)
+    ``stream_response`` is Starlette's own loop with the error handling inside it, rather than a wrapping
+    generator: one generator fewer per event on the hottest path of a stream."""
 
-    async def _events(self) -> AsyncIterator[bytes]:
+    def __init__(
+        self, answer: AsyncGenerator[Reply, None], events: AsyncIterator[bytes], headers: dict[str, str]
+    ) -> None:
+        self.answer, self.events = answer, events
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+
+    async def stream_response(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         try:
-            async for piece in self.answer:
-                assert isinstance(piece, bytes)
-                yield piece
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
         except GatewayError as exc:
             for event in sse_error_events(exc):
-                yield event
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+        # Free the reservation as soon as the last event is written, before the response's end is sent.
+        await self.answer.aclose()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if isinstance(self.events, AsyncGenerator):
+                await self.events.aclose()
             await self.answer.aclose()
 
 

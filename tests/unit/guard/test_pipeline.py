@@ -57,8 +57,8 @@ async def started_stream() -> tuple[EventStreamResponse, FakeStream, FakeReserva
         parts, ctx, b"{}", Booking(1, 1, 1, stream=True), reservation  # type: ignore[arg-type]
     )
     head = await anext(answer)
-    assert isinstance(head, Reply)
-    return EventStreamResponse(answer, head.headers), stream, reservation, parts
+    assert isinstance(head, Reply) and head.events is not None
+    return EventStreamResponse(answer, head.events, head.headers), stream, reservation, parts
 
 
 async def test_a_client_gone_before_the_first_byte_still_frees_everything_once() -> None:

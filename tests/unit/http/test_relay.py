@@ -148,7 +148,7 @@ def fake_parts(stream: FakeStream) -> Parts:
     return Parts(Settings(), Metrics(), Engine(FakeUpstream(stream), None, None), None)  # type: ignore[arg-type]
 
 
-def stream_answer(parts: Parts, reservation: FakeReservation) -> AsyncGenerator[Reply | bytes, None]:
+def stream_answer(parts: Parts, reservation: FakeReservation) -> AsyncGenerator[Reply, None]:
     ctx = RequestContext("r1", "chat", "/v1/chat/completions", {})
     booking = Booking(prompt_tokens=1, max_tokens=1, n=1, stream=True)
     return pipeline.exchange_with_engine(parts, ctx, b"{}", booking, reservation)  # type: ignore[arg-type]
@@ -174,8 +174,8 @@ async def relay_all(stream: FakeStream) -> tuple[list[bytes], FakeReservation, P
     parts = fake_parts(stream)
     answer = stream_answer(parts, reservation)
     head = await anext(answer)
-    assert isinstance(head, Reply) and head.body is None
-    return await written(EventStreamResponse(answer, head.headers)), reservation, parts
+    assert isinstance(head, Reply) and head.events is not None
+    return await written(EventStreamResponse(answer, head.events, head.headers)), reservation, parts
 
 
 def error_of(write: bytes) -> dict[str, Any]:
