@@ -77,6 +77,14 @@ class ServedModels:
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = asyncio.get_running_loop().create_task(self._refresh_quietly())
 
+    async def close(self) -> None:
+        """Cancel and await a re-read still running (owned here, so nothing outlives shutdown)."""
+        task, self._refreshing = self._refreshing, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     async def _refresh_quietly(self) -> None:
         with contextlib.suppress(GatewayError):
             await self.refresh()

@@ -77,6 +77,7 @@ async def build_engine(
     )
     models = Models(settings, client, metrics, executor)
     stack.push_async_callback(models.templates.close)
+    stack.push_async_callback(models.close)
     if supervisor is None:
 
         def on_snapshot(old: EngineSnapshot, new: EngineSnapshot) -> None:

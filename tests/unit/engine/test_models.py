@@ -156,3 +156,15 @@ async def test_a_failed_read_keeps_the_last_listing() -> None:
     models.follow(never_scraped(1.0), replace(never_scraped(2.0), ok=True))
     await settle()
     assert upstream.calls == 2 and models.cached is not None and models.cached.ids == ("tiny",)
+
+
+async def test_closing_cancels_and_awaits_a_read_still_running() -> None:
+    upstream = FakeUpstream()
+    upstream.gate = asyncio.Event()  # the engine never answers
+    models = registry(upstream)
+    models.follow(never_scraped(1.0), replace(never_scraped(2.0), ok=True))
+    await settle()
+    running = models._refreshing
+    assert upstream.calls == 1 and running is not None and not running.done()
+    await models.close()
+    assert running.cancelled() and models.cached is None
