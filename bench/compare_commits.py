@@ -4,9 +4,11 @@ A refactoring must not cost speed. This checks out ``--baseline`` (default ``HEA
 worktree, starts one gateway from each tree in front of one zero-delay vLLM simulator, and measures both in
 turns, ``--rounds`` times: latency at concurrency 1, requests per second at 64, streams of 20 events per
 second at 16. It prints the medians and the ratio this tree / baseline (1.00x: no change; single runs on a
-2-core machine move by tens of percent, which is why the rounds alternate and the medians are compared).
+2-core machine move by tens of percent, which is why the rounds alternate and the medians are compared). Who goes
+first in a round alternates, and the first measured is often the slower: an even number of rounds keeps that fair.
+``--baseline HEAD`` compares the tree with itself: the noise floor of the machine at that moment.
 
-    python bench/compare_commits.py [--baseline REF] [--seconds 5] [--rounds 3] [--markdown PATH]
+    python bench/compare_commits.py [--baseline REF] [--seconds 5] [--rounds 4] [--markdown PATH]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from overhead import CHAT, SIM_CODE, STREAM, free_port, load, pinned, process, wait_http  # noqa: E402
+from overhead import CHAT, SIM_CODE, STREAM, free_port, load, pinned, process  # noqa: E402
 
 MEASURES = (
     "latency c=1 p50 (ms)", "latency c=1 p99 (ms)", "req/s c=64", "p99 c=64 (ms)", "gateway CPU per request c=64 (us)",
@@ -60,18 +62,9 @@ def gateway(tree: Path, upstream: str, tokenizer: Path) -> Iterator[tuple[str, i
         *pinned(1), sys.executable, "-m", "gateway.cli", "serve", "--upstream", upstream, "--port", str(port),
         "--host", "127.0.0.1", "--tokenizer", str(tokenizer), "--log-level", "warning", "--max-queue", "10000",
     ]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    try:
-        wait_http(url + "/health")
+    with process(cmd, url + "/health", cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}) as proc:
         yield url, proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def measure(url: str, pid: int, seconds: float) -> dict[str, float]:
@@ -92,7 +85,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="HEAD~1", help="the commit to compare with (default HEAD~1)")
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of each load phase")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds, each measuring both gateways in turn")
+    parser.add_argument(
+        "--rounds", type=int, default=4,
+        help="rounds, each measuring both gateways in turn, who goes first alternating: keep it even",
+    )
     parser.add_argument("--markdown", type=Path, help="also write the table as markdown here")
     args = parser.parse_args()
 

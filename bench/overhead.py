@@ -109,11 +109,13 @@ def wait_http(url: str, timeout: float = 60) -> None:
 
 
 @contextmanager
-def process(cmd: list[str], health: str) -> Iterator[None]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def process(
+    cmd: list[str], health: str, *, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         wait_http(health)
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:
