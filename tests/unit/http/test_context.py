@@ -1,0 +1,66 @@
+"""A guarded request's context is read once from its headers: a sane request id is kept and an odd one replaced,
+the priority comes from the header or the key, and the overflow policy from the header or the settings."""
+
+from __future__ import annotations
+
+import pytest
+from starlette.requests import Request
+
+from gateway.config import Settings
+from gateway.errors import InvalidRequest
+from gateway.http.context import priority, prompt_policy, request_id
+
+
+def request(**headers: str) -> Request:
+    raw = [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]
+    return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": raw})
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [("abc-123", True), ("a.b:c_d", True), ("x" * 128, True), ("x" * 129, False), ("has space", False),
+     ("", False), ("<script>", False)],
+)
+def test_a_sane_request_id_is_kept_and_any_other_is_replaced(given: str, kept: bool) -> None:
+    req = request(x_request_id=given)
+    rid = request_id(req)
+    assert (rid == given) is kept and req.state.request_id == rid
+
+
+def test_request_ids_made_by_the_gateway_differ() -> None:
+    assert request_id(request()) != request_id(request())
+
+
+@pytest.mark.parametrize(
+    ("header", "key", "expected"),
+    [(None, None, 0), ("5", None, 5), ("-3", "k1", -3), (None, "k1", 7), (None, "other", 0)],
+)
+def test_the_priority_comes_from_the_header_else_from_the_key(
+    header: str | None, key: str | None, expected: int
+) -> None:
+    settings = Settings(api_key=["k1=7", "other"])
+    headers = {"x_guard_priority": header} if header is not None else {}
+    assert priority(settings, request(**headers), key) == expected
+
+
+def test_a_priority_that_is_not_an_integer_is_a_clear_400() -> None:
+    with pytest.raises(InvalidRequest, match="x-guard-priority must be an integer; got 'high'") as caught:
+        priority(Settings(), request(x_guard_priority="high"), None)
+    assert caught.value.param == "x-guard-priority"
+
+
+@pytest.mark.parametrize(
+    ("header", "default", "expected"),
+    [(None, "reject", "reject"), (None, "truncate", "truncate"), ("truncate", "reject", "truncate"),
+     ("reject", "truncate", "reject")],
+)
+def test_the_overflow_policy_comes_from_the_header_else_from_the_settings(
+    header: str | None, default: str, expected: str
+) -> None:
+    headers = {"x_guard_on_overflow": header} if header is not None else {}
+    assert prompt_policy(request(**headers), Settings(on_prompt_overflow=default)) == expected  # type: ignore[arg-type]
+
+
+def test_an_unknown_overflow_policy_is_a_clear_400() -> None:
+    with pytest.raises(InvalidRequest, match="must be 'reject' or 'truncate'; got 'drop'"):
+        prompt_policy(request(x_guard_on_overflow="drop"), Settings())
