@@ -33,8 +33,11 @@ class Capacity:
 
 def capacity_from(snapshot: EngineSnapshot | None, settings: Settings) -> Capacity | None:
     """The engine's published capacity, else the flags'; None when neither says."""
-    if snapshot is not None and snapshot.num_gpu_blocks and snapshot.block_size:
-        return Capacity(snapshot.num_gpu_blocks, snapshot.block_size, "engine")
+    if snapshot is not None and snapshot.num_gpu_blocks and snapshot.block_size and snapshot.num_gpu_blocks > 1:
+        # vLLM (V1) takes one block out of the pool as its null block before any request runs, and reports
+        # KV usage against the rest (vllm/v1/core/block_pool.py: ``null_block = free_block_queue.popleft()``;
+        # ``get_usage``: "Subtract 1 to account for null block"). Requests can hold num_gpu_blocks - 1.
+        return Capacity(snapshot.num_gpu_blocks - 1, snapshot.block_size, "engine")
     # A block size the engine publishes beats the flag: it is the unit vLLM really allocates in.
     engine_bs = snapshot.block_size if snapshot is not None else None
     block_size = engine_bs or settings.block_size or DEFAULT_BLOCK_SIZE

@@ -177,7 +177,8 @@ def _cache_config_info(config: SimConfig) -> dict[str, str]:
         "mamba_page_size_padded": "None", "skip_page_size_padded": "None", "mamba_block_size": "None",
         "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "mamba_cache_mode": "none",
         "enable_mamba_shared_prefix_checkpoint": "False", "replayssm_buffer_len": "16",
-        "use_replayssm": "False", "use_kda_recoverssm": "False", "num_gpu_blocks": str(config.num_blocks),
+        # num_blocks is what requests can hold; vLLM reports one more, the null block it keeps out of the pool.
+        "use_replayssm": "False", "use_kda_recoverssm": "False", "num_gpu_blocks": str(config.num_blocks + 1),
         "num_cpu_blocks": "None", "effective_attention_block_size": "None",
         "kv_cache_size_tokens": str(tokens), "kv_cache_max_concurrency": str(round(tokens / config.max_model_len, 2)),
         "hash_block_size": "None", "cache_hit_alignment_tokens": "None", "kv_sharing_fast_prefill": "False",

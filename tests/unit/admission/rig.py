@@ -15,10 +15,11 @@ BS = 16
 
 
 def vllm_text(kv_usage: float, preemptions: float = 0.0, blocks: int = 100, block_size: int = BS) -> str:
+    """An engine whose requests can hold ``blocks`` blocks: vLLM reports one more, its null block."""
     return (
         f'vllm:kv_cache_usage_perc{{engine="0"}} {kv_usage}\n'
         f'vllm:num_preemptions_total{{engine="0"}} {preemptions}\n'
-        f'vllm:cache_config_info{{block_size="{block_size}",engine="0",num_gpu_blocks="{blocks}"}} 1.0\n'
+        f'vllm:cache_config_info{{block_size="{block_size}",engine="0",num_gpu_blocks="{blocks + 1}"}} 1.0\n'
     )
 
 
