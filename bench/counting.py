@@ -1,10 +1,13 @@
-"""Micro-benchmark of prompt counting: the gateway's counter against a plain ``apply_chat_template``.
+"""Micro-benchmark of prompt counting: the gateway's counter against a plain ``apply_chat_template``, and the
+cost of the prompt's token ids against that of its count.
 
-Run by ``bench/overhead.py`` (its counting table); ``synthetic_chat`` also gives tests long, varied chats.
+Run by ``bench/overhead.py`` (its counting table); run alone (``python bench/counting.py``) it prints the ids
+table too. ``synthetic_chat`` also gives tests long, varied chats.
 """
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 import tempfile
@@ -53,11 +56,14 @@ def bench_counting(
     ``cold_cpu_ms`` are the CPU time of the process (all threads), steadier than wall time on a busy
     machine. Uses the tiny model's tokenizer when none is given.
     """
-    if tokenizer is None:
-        with tempfile.TemporaryDirectory() as tmp:
-            tokenizer = load_tokenizer(str(build_tokenizer(Path(tmp))))
+    tokenizer = tokenizer or _tiny_tokenizer()
     counter = LocalCounter(tokenizer)
     return {str(size): _bench_one(counter, synthetic_chat(tokenizer, size), repeat) for size in sizes}
+
+
+def _tiny_tokenizer() -> PreTrainedTokenizerBase:
+    with tempfile.TemporaryDirectory() as tmp:
+        return load_tokenizer(str(build_tokenizer(Path(tmp))))
 
 
 def _timed(repeat: int, fn: Callable[[], object], before: Callable[[], object], clock: Callable[[], float]) -> float:
@@ -96,3 +102,71 @@ def _bench_one(counter: LocalCounter, body: dict[str, Any], repeat: int) -> dict
         "naive_cpu_ms": _timed(repeat, naive, nothing, cpu),
         "cold_cpu_ms": _timed(repeat, count, counter.text.clear_cache, cpu),
     }
+
+
+def bench_token_ids(
+    tokenizer: PreTrainedTokenizerBase | None = None, sizes: tuple[int, ...] = (1024, 8192, 32768), repeat: int = 7
+) -> dict[str, dict[str, float]]:
+    """Time a chat's ids (``tokenize_chat_sync``) against its count (``count_chat_sync``); best of ``repeat``, ms.
+
+    Per size: ``tokens``, then ``{count,ids}_{cold,prefix,warm}_ms`` with the cases of ``bench_counting``
+    (empty cache; earlier turns tokenized before; the same chat again). Each size's ids are first checked
+    against the tokenizer's own ``apply_chat_template(tokenize=True)``.
+    """
+    tokenizer = tokenizer or _tiny_tokenizer()
+    counter = LocalCounter(tokenizer)
+    out: dict[str, dict[str, float]] = {}
+    for size in sizes:
+        body = synthetic_chat(tokenizer, size)
+        ids = counter.tokenize_chat_sync(body).ids
+        expected = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_dict=False)
+        if ids != tuple(expected):
+            raise AssertionError(f"the ids of the {size}-token chat differ from the tokenizer's own")
+        out[str(size)] = {"tokens": float(len(ids)), **_bench_ids_one(counter, body, repeat)}
+    return out
+
+
+def _bench_ids_one(counter: LocalCounter, body: dict[str, Any], repeat: int) -> dict[str, float]:
+    earlier = {"messages": body["messages"][:-1]}
+
+    def seen_before(run: Callable[[dict[str, Any]], object]) -> None:
+        counter.text.clear_cache()
+        run(earlier)
+
+    cases: dict[str, Callable[[Callable[[dict[str, Any]], object]], object]] = {
+        "cold": lambda run: counter.text.clear_cache(),
+        "prefix": seen_before,
+        "warm": lambda run: None,
+    }
+    runs: dict[str, Callable[[dict[str, Any]], object]] = {
+        "count": counter.count_chat_sync,
+        "ids": counter.tokenize_chat_sync,
+    }
+    times: dict[str, list[float]] = {}
+    # Count and ids take turns, so that a machine whose speed drifts between runs slows both alike.
+    for _ in range(repeat):
+        for case, before in cases.items():
+            for kind, run in runs.items():
+                before(run)
+                t0 = time.perf_counter()
+                run(body)
+                times.setdefault(f"{kind}_{case}_ms", []).append((time.perf_counter() - t0) * 1000)
+    return {key: min(values) for key, values in times.items()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 8192, 32768], help="chat sizes in tokens")
+    parser.add_argument("--repeat", type=int, default=7, help="runs per figure; the best is kept")
+    args = parser.parse_args()
+    figures = bench_token_ids(sizes=tuple(args.sizes), repeat=args.repeat)
+    print("| chat tokens | count / ids cold (ms) | count / ids, earlier turns seen (ms) | count / ids repeated (ms) |")
+    print("| --- | --- | --- | --- |")
+    for f in figures.values():
+        cells = [f"{f[f'count_{case}_ms']:.2f} / {f[f'ids_{case}_ms']:.2f}" for case in ("cold", "prefix", "warm")]
+        print(f"| {int(f['tokens'])} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -25,6 +25,8 @@ class RequestContext:
     body: dict[str, Any]
     priority: int = 0
     prompt_policy: PromptOverflowPolicy = "reject"
+    tenant: str = "default"  # from the caller's key (the keys file); "default" for every other caller
+    tenant_weight: float = 1.0
     outcome: Outcome = field(init=False)
 
     def __post_init__(self) -> None:
@@ -46,6 +48,8 @@ class Booking:
     """What a request reserves: ``n`` sequences of ``prompt_tokens`` + ``max_tokens`` tokens each.
 
     ``learns_output``: whether its output length teaches the adaptive policy (a pooling request has none).
+    ``prompt_ids``: the ids the engine will schedule, for a request of exactly one prompt whose ids are known
+    (not for media parts, batches of prompts or pooling), so its KV blocks can be keyed as the prefix cache keys them.
     """
 
     prompt_tokens: int
@@ -53,3 +57,4 @@ class Booking:
     n: int
     stream: bool = False
     learns_output: bool = True
+    prompt_ids: tuple[int, ...] | None = None

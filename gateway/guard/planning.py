@@ -16,9 +16,11 @@ from gateway.config import PromptOverflowPolicy, Settings
 from gateway.errors import KVBudgetExceeded, MaxTokensExceeded
 from gateway.guard import pooling, responses
 from gateway.guard.context import Booking
+from gateway.guard.counting import Counter, PromptTokens
 from gateway.guard.parts import Outcome, Parts
-from gateway.guard.policy import Limits, MaxTokensDecision, decide_max_tokens, decide_prompt
+from gateway.guard.policy import Limits, MaxTokensDecision, PromptDecision, decide_max_tokens, decide_prompt
 from gateway.guard.pooling import PoolingRequest
+from gateway.guard.prefixes import prompt_prefix
 from gateway.guard.prompts import Prompt
 from gateway.guard.protocol import GuardedRequest, set_max_tokens, set_prompts
 
@@ -28,69 +30,87 @@ async def plan_generation(
     parts: Parts, req: GuardedRequest, limits: Limits, policy: PromptOverflowPolicy, out: Outcome
 ) -> Booking:
     s = parts.settings
-    counts = await count(parts, req)
-    counts = await apply_prompt_policy(parts, req, counts, limits, policy, out)
+    tokens = await count(parts, req)
+    tokens = await apply_prompt_policy(parts, req, tokens, limits, policy, out)
+    counts = [t.count for t in tokens]
     out.prompt_tokens = sum(counts)
     decision = decide_output(req, max(counts), limits, s)
     sequences = req.n * len(counts)
-    # Each sequence is charged for the longest prompt: an upper bound that stays tight.
+    prompt_ids = tokens[0].ids if len(tokens) == 1 else None
+    # Each sequence is charged for the longest prompt: an upper bound that stays tight. With prefix sharing the
+    # n sequences of one known prompt hold its shareable blocks once.
     max_tokens = parts.admission.fit(
-        max(counts), decision.max_tokens, sequences, clamp=s.on_max_tokens_overflow == "clamp"
+        max(counts), decision.max_tokens, sequences, clamp=s.on_max_tokens_overflow == "clamp",
+        prefix_known=prompt_prefix(req.route, req.body, prompt_ids) is not None,
     )
     parts.metrics.record_max_tokens(req.route, max_tokens, decision.clamped or max_tokens != decision.max_tokens)
     set_max_tokens(req, max_tokens)
     out.max_tokens = max_tokens
-    return Booking(max(counts), max_tokens, sequences, stream=req.stream)
+    return Booking(max(counts), max_tokens, sequences, stream=req.stream, prompt_ids=prompt_ids)
 
 
-async def count(parts: Parts, req: GuardedRequest) -> list[int]:
+async def count(parts: Parts, req: GuardedRequest) -> list[PromptTokens]:
+    """Each prompt's tokens as the engine will schedule them (one for a chat or Responses request)."""
     counter = await parts.models.counter()
     t0 = time.perf_counter()
     if req.conversation is not None:
-        counts = [await counter.count_chat(req.conversation)]
+        tokens = [await counter.tokenize_chat(req.conversation)]
     else:
-        counts = await counter.count_prompts(
+        tokens = await counter.tokenize_prompts(
             req.prompts,  # type: ignore[arg-type]  # one list, mixed shapes
-            add_special_tokens=req.body.get("add_special_tokens", True) is not False,
+            add_special_tokens=_adds_special_tokens(req),
         )
-    parts.metrics.record_counted(sum(counts), time.perf_counter() - t0)
-    return counts
+    parts.metrics.record_counted(sum(t.count for t in tokens), time.perf_counter() - t0)
+    return tokens
+
+
+def _adds_special_tokens(req: GuardedRequest) -> bool:
+    return req.body.get("add_special_tokens", True) is not False
 
 
 async def apply_prompt_policy(
-    parts: Parts, req: GuardedRequest, counts: list[int], limits: Limits, policy: PromptOverflowPolicy,
+    parts: Parts, req: GuardedRequest, tokens: list[PromptTokens], limits: Limits, policy: PromptOverflowPolicy,
     out: Outcome,
-) -> list[int]:
+) -> list[PromptTokens]:
+    """The prompts' tokens once the policy has run: as counted, or those of the truncated prompts."""
     if req.route == "responses":
-        responses.check_fits(counts[0], limits, policy)
-        return counts
+        responses.check_fits(tokens[0].count, limits, policy)
+        return tokens
     subject = "messages" if req.route == "chat" else "prompt"
-    decisions = [decide_prompt(c, limits, policy, req.max_tokens, subject) for c in counts]
+    decisions = [decide_prompt(t.count, limits, policy, req.max_tokens, subject) for t in tokens]
     if all(d.fits for d in decisions):
-        return counts
+        return tokens
     counter = await parts.models.counter()
     if req.route == "chat":
         cut = await counter.truncate_chat(req.body, decisions[0].budget)
         req.body["messages"] = cut.messages
         out.truncated_tokens = cut.removed_tokens
-        new_counts = [cut.prompt_tokens]
+        # Truncation counts; the ids are those of the chat as cut, re-tokenized (mostly from the piece cache).
+        new_tokens = [await counter.tokenize_chat(req.body)]
     else:
-        prompts: list[Prompt] = []
-        new_counts = []
-        for prompt, c, d in zip(req.prompts, counts, decisions, strict=True):
-            if d.fits:
-                prompts.append(prompt)
-                new_counts.append(c)
-                continue
-            t = await counter.truncate_prompt(
-                prompt, d.budget, add_special_tokens=req.body.get("add_special_tokens", True) is not False
-            )
-            prompts.append(t.prompt)
-            new_counts.append(t.prompt_tokens)
-            out.truncated_tokens += t.removed_tokens
-        set_prompts(req, prompts)
+        new_tokens = await _truncate_prompts(counter, req, tokens, decisions, out)
     parts.metrics.record_truncation(req.route, out.truncated_tokens)
-    return new_counts
+    return new_tokens
+
+
+async def _truncate_prompts(
+    counter: Counter, req: GuardedRequest, tokens: list[PromptTokens], decisions: list[PromptDecision], out: Outcome
+) -> list[PromptTokens]:
+    """Cut each prompt that does not fit to its budget; a cut prompt is re-tokenized for its ids."""
+    add_special_tokens = _adds_special_tokens(req)
+    prompts: list[Prompt] = []
+    new_tokens: list[PromptTokens] = []
+    for prompt, t, d in zip(req.prompts, tokens, decisions, strict=True):
+        if d.fits:
+            prompts.append(prompt)
+            new_tokens.append(t)
+            continue
+        cut = await counter.truncate_prompt(prompt, d.budget, add_special_tokens=add_special_tokens)
+        out.truncated_tokens += cut.removed_tokens
+        prompts.append(cut.prompt)
+        new_tokens += await counter.tokenize_prompts(cut.prompt, add_special_tokens=add_special_tokens)
+    set_prompts(req, prompts)
+    return new_tokens
 
 
 def decide_output(req: GuardedRequest, prompt_tokens: int, limits: Limits, s: Settings) -> MaxTokensDecision:

@@ -1,13 +1,21 @@
-"""The gateway counts prompt tokens exactly as the real vLLM does, for every shape of request."""
+"""The gateway counts prompt tokens exactly as the real vLLM does, for every shape of request, and its prompt
+token ids (local tokenizer and the engine's /tokenize alike) are exactly the ids vLLM schedules."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
+from gateway.guard.counting import LocalCounter, PromptTokens, RemoteCounter, load_tokenizer
+
 from .payloads import token_ids
+from .servers import ServerProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -155,3 +163,67 @@ def test_gateway_and_direct_vllm_agree_on_the_same_chat(
 
     assert direct.usage is not None
     assert int(through_gateway.headers["x-guard-prompt-tokens"]) == direct.usage.prompt_tokens
+
+
+# -- token ids: the gateway's against those vLLM schedules (``return_token_ids``) -------------------------
+@pytest.fixture(scope="module")
+def counters(tiny_model: Path, vllm: ServerProcess) -> Iterator[tuple[LocalCounter, RemoteCounter]]:
+    """The gateway's two counters for the served model: its tokenizer (as the gateway loads it from
+    /v1/models' root), and the engine's /tokenize."""
+    with httpx.Client(base_url=vllm.url, timeout=60) as http:
+
+        async def tokenize(payload: dict[str, Any]) -> dict[str, Any]:
+            answer = await asyncio.to_thread(http.post, "/tokenize", json=payload)
+            answer.raise_for_status()
+            result: dict[str, Any] = answer.json()
+            return result
+
+        yield LocalCounter(load_tokenizer(str(tiny_model))), RemoteCounter(tokenize, "tiny")
+
+
+def chat_body(request_args: dict[str, Any]) -> dict[str, Any]:
+    """The chat request the SDK sends for ``request_args`` (extra_body merged in), without the model."""
+    body = {k: v for k, v in request_args.items() if k != "extra_body"}
+    return {**body, **request_args.get("extra_body", {})}
+
+
+def gateway_tokens(counters: tuple[LocalCounter, RemoteCounter], chat: dict[str, Any] | None = None,
+                   prompt: Any = None) -> list[list[PromptTokens]]:
+    """Each prompt's tokens by each counter: [local, remote] for every prompt."""
+
+    async def both() -> list[list[PromptTokens]]:
+        if chat is not None:
+            return [[await c.tokenize_chat(chat)] for c in counters]
+        return [await c.tokenize_prompts(prompt) for c in counters]
+
+    return asyncio.run(both())
+
+
+@pytest.mark.parametrize(("case", "request_args"), CHAT_CASES, ids=[c for c, _ in CHAT_CASES])
+def test_chat_prompt_ids_are_the_ids_vllm_schedules(
+    client: openai.OpenAI, counters: tuple[LocalCounter, RemoteCounter], case: str, request_args: dict[str, Any]
+) -> None:
+    extra = {**request_args.get("extra_body", {}), "return_token_ids": True}
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", max_tokens=1, temperature=0.0, **{**request_args, "extra_body": extra}
+    )
+    scheduled = raw.http_response.json()["prompt_token_ids"]
+
+    local, remote = gateway_tokens(counters, chat=chat_body(request_args))
+    assert scheduled and int(raw.headers["x-guard-prompt-tokens"]) == len(scheduled), case
+    assert local == remote == [PromptTokens(len(scheduled), tuple(scheduled))], case
+
+
+@pytest.mark.parametrize(("case", "prompt"), COMPLETION_CASES, ids=[c for c, _ in COMPLETION_CASES])
+def test_completion_prompt_ids_are_the_ids_vllm_schedules(
+    client: openai.OpenAI, counters: tuple[LocalCounter, RemoteCounter], case: str,
+    prompt: str | list[str] | list[int] | list[list[int]],
+) -> None:
+    raw = client.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=1, temperature=0.0, extra_body={"return_token_ids": True}
+    )
+    choices = sorted(raw.http_response.json()["choices"], key=lambda c: c["index"])
+    scheduled = [tuple(c["prompt_token_ids"]) for c in choices]
+
+    local, remote = gateway_tokens(counters, prompt=prompt)
+    assert local == remote == [PromptTokens(len(ids), ids) for ids in scheduled], case

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import uvicorn
@@ -73,6 +73,8 @@ class _Run:
 
     def __init__(self, total: int, stream: bool) -> None:
         self.seqs: list[Sequence] = []
+        # The sequence whose output came first: the streaming usage reports its prefill stats.
+        self.first: Sequence | None = None
         self.remaining = total
         self.finished = asyncio.Event()
         self.events: asyncio.Queue[tuple[Sequence | None, int, str | None]] | None = (
@@ -80,6 +82,8 @@ class _Run:
         )
 
     def on_token(self, seq: Sequence) -> None:
+        if self.first is None:
+            self.first = seq
         if self.events is not None:
             self.events.put_nowait((seq, seq.generated, seq.finish_reason))
         if seq.finish_reason is not None:
@@ -204,21 +208,41 @@ class _SimApp:
             # Only reachable with a cache smaller than max_model_len, which vLLM refuses at start-up.
             return self.error(f"The prompt ({max(plan.prompts)} tokens) does not fit into the KV cache "
                               f"({self.sim.capacity_tokens} tokens).", param="input_tokens")
-        for i, (prompt, max_tokens) in enumerate(zip(plan.prompts, plan.max_tokens, strict=True)):
+        for i, (ids, max_tokens) in enumerate(zip(plan.prompt_ids, plan.max_tokens, strict=True)):
             target = self.sim.output_length(request_index, max_tokens, plan.ignore_eos)
-            run.seqs += self.sim.submit(prompt, plan.n, max_tokens, target, run.on_token, first_index=i * plan.n)
+            run.seqs += self.sim.submit(ids, plan.n, max_tokens, target, run.on_token, first_index=i * plan.n,
+                                        lora=plan.lora, cache_salt=plan.cache_salt)
         scope = request.scope
         if plan.stream:
             return _asgi(lambda receive, send: self._stream(scope, receive, send, plan, run))
         if run.remaining == 0:
             # orjson rather than JSONResponse's json.dumps: this is the benchmark's hot path.
-            return Response(orjson.dumps(full_body(plan, run.seqs, self.config.model)), media_type="application/json")
+            return Response(orjson.dumps(full_body(plan, run.seqs, plan.model)), media_type="application/json")
         return _asgi(lambda receive, send: self._respond_when_done(receive, send, plan, run))
 
     def _check_model(self, model: str | None) -> None:
-        if model and model != self.config.model:
+        if model and model != self.config.model and model not in self.config.lora_modules:
             raise _Rejected(f"The model `{model}` does not exist. Valid aliases: {self.config.model}.",
                             "model", "NotFoundError", 404)
+
+    @staticmethod
+    def _check_cache_salt(body: dict[str, Any]) -> None:
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise _Rejected("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt",
+                            in_validator=True)
+        if salt is not None and (len(salt) > 128 or any(c in "@/\\\x00" for c in salt)):
+            raise _Rejected("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', "
+                            "'/', '\\\\', or NUL.", "cache_salt", in_validator=True)
+
+    def _kv_keys(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``Plan`` fields beyond the prompts: what keys its KV blocks (its LoRA adapter and cache salt), the
+        model name responses carry, and whether usage has details. Call after the checks."""
+        salt = body.get("cache_salt")
+        model = body.get("model")
+        lora = (model, self.config.lora_modules[model]) if model in self.config.lora_modules else None
+        return {"lora": lora, "cache_salt": salt, "model": model if lora else self.config.model,
+                "prompt_details": self.config.enable_prompt_tokens_details}
 
     def _check_n(self, n: int) -> None:
         if n < 1:
@@ -289,6 +313,7 @@ class _SimApp:
         if tool_choice not in (None, "none") and body.get("tools") is None:
             raise _Rejected("When using `tool_choice`, `tools` must be set.", "tool_choice", in_validator=True)
         self._check_stream_options(body)
+        self._check_cache_salt(body)
         # vLLM reads the raw body here: an omitted add_generation_prompt does not conflict (yet).
         if body.get("continue_final_message") and body.get("add_generation_prompt"):
             raise _Rejected("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
@@ -316,16 +341,17 @@ class _SimApp:
             text = self.counter.chat_text(req.messages, req.tools, chat_template_kwargs(body))
         except ChatTemplateError as exc:
             raise _Rejected(str(exc)) from exc
-        prompt = len(self._prompt_ids(text, req.add_special_tokens))
+        ids = self._prompt_ids(text, req.add_special_tokens)
         role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])
-        return Plan(True, self._request_id(request, "chatcmpl"), [prompt], [self._max_tokens(prompt, requested)],
-                     n, bool(req.stream), include_usage, continuous, req.ignore_eos, role)
+        return Plan(True, self._request_id(request, "chatcmpl"), [len(ids)], [self._max_tokens(len(ids), requested)],
+                    n, bool(req.stream), include_usage, continuous, req.ignore_eos, role, [ids], **self._kv_keys(body))
 
     def _plan_completion(self, body: dict[str, Any], request: Request) -> Plan:
         if body.get("prompt") in (None, ""):
             raise _Rejected("Either prompt or prompt_embeds must be provided and non-empty.", "prompt",
                             in_validator=True)
         self._check_stream_options(body)
+        self._check_cache_salt(body)
         req = CompletionBody.model_validate(body)
         include_usage, continuous = self._usage_flags(req.stream_options)
         self._check_model(req.model)
@@ -334,21 +360,22 @@ class _SimApp:
         if prompt is None or len(prompt) == 0:
             raise _Rejected("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         self._check_output_limit(req.max_tokens, "max_tokens")
-        counts: list[int] = []
+        prompts: list[list[int]] = []
         if isinstance(prompt, str):
-            counts.append(len(self._prompt_ids(prompt, req.add_special_tokens)))
+            prompts.append(self._prompt_ids(prompt, req.add_special_tokens))
         else:
             for item in prompt:
                 if isinstance(item, str):
-                    counts.append(len(self._prompt_ids(item, req.add_special_tokens)))
+                    prompts.append(self._prompt_ids(item, req.add_special_tokens))
                 elif isinstance(item, int):
-                    counts = [len(prompt)]
+                    prompts = [cast(list[int], prompt)]
                     break
                 else:
-                    counts.append(len(item))
+                    prompts.append(item)
+        counts = [len(ids) for ids in prompts]
         limits = [self._max_tokens(count, req.max_tokens) for count in counts]
         return Plan(False, self._request_id(request, "cmpl"), counts, limits, req.n, bool(req.stream),
-                     include_usage, continuous, req.ignore_eos)
+                    include_usage, continuous, req.ignore_eos, prompt_ids=prompts, **self._kv_keys(body))
 
     # -- answering ------------------------------------------------------------------------------------
 
@@ -363,7 +390,7 @@ class _SimApp:
         if not run.finished.is_set():
             self.sim.abort(run.seqs)
             return
-        body = orjson.dumps(full_body(plan, run.seqs, self.config.model))
+        body = orjson.dumps(full_body(plan, run.seqs, plan.model))
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -378,7 +405,7 @@ class _SimApp:
             events.put_nowait((None, 0, None))
 
         watcher = asyncio.ensure_future(watch())
-        writer = SseWriter(plan, self.config.model, int(time.time()), len(plan.prompts) * plan.n)
+        writer = SseWriter(plan, plan.model, int(time.time()), len(plan.prompts) * plan.n)
         try:
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
@@ -400,7 +427,7 @@ class _SimApp:
                     return
                 writer.sent += len(chunks)
                 await send({"type": "http.response.body", "body": b"".join(chunks), "more_body": True})
-            tail = writer.usage_chunk() if plan.include_usage else b""
+            tail = writer.usage_chunk(run.first) if plan.include_usage else b""
             await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n", "more_body": False})
         finally:
             watcher.cancel()
@@ -443,7 +470,9 @@ class _SimApp:
         card = {"id": self.config.model, "object": "model", "created": now, "owned_by": "vllm",
                 "root": self.config.root or self.config.model, "parent": None,
                 "max_model_len": self.config.max_model_len, "permission": [permission]}
-        return JSONResponse({"object": "list", "data": [card]})
+        adapters = [{**card, "id": name, "root": path, "parent": self.config.model, "max_model_len": None}
+                    for name, path in self.config.lora_modules.items()]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     async def tokenize(self, request: Request) -> Response:
         body = await self.read_json(request)

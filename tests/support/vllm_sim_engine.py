@@ -1,13 +1,22 @@
-"""The engine half of the vLLM simulator: a V1-style scheduler over paged KV blocks, with vLLM's metrics.
+"""The engine half of the vLLM simulator: a V1-style scheduler over paged KV blocks with prefix caching.
 
-The model it follows is vLLM 0.32's V1 scheduler:
-- a running sequence holds ``ceil((prompt + generated) / block_size)`` blocks; the ``n`` choices of one
-  request share the full blocks of their common prompt (prefix caching), each holds its own tail;
-- a waiting sequence is admitted (FIFO) when blocks for its prompt (+ tokens already generated, + 1) are
-  free and fewer than ``max_num_seqs`` run; nothing is admitted in a step that preempted;
-- when a decode step needs a block and none is free, the most recently started running sequence is
-  preempted by recompute: its blocks are freed, its generated tokens kept, and it goes back to the front
-  of the waiting queue, counted in ``vllm:num_preemptions_total``.
+The model it follows is vLLM 0.32's V1 scheduler and KV cache manager (``v1/core/sched/scheduler.py``,
+``v1/core/kv_cache_manager.py``). Blocks are vllm_sim_blocks.py's, metrics vllm_sim_metrics.py's, and the
+configuration and sequences vllm_sim_types.py's.
+- A step computes the KV of every token a sequence has (prompt + generated so far) and samples one more,
+  so a scheduled sequence holds ``ceil((prompt + generated) / block_size)`` blocks. They are allocated as
+  the step is scheduled, and the blocks those tokens fill are cached (findable) right then.
+- A waiting sequence first looks up its longest cached prefix, at most all its tokens but the last (vLLM
+  always computes the last one), takes those blocks and allocates the rest. It is admitted (FIFO) when
+  those blocks are free and fewer than ``max_num_seqs`` run; nothing is admitted in a step that preempted.
+- The ``n`` choices of a request are ``n`` sequences of one prompt: the first caches the prompt's full
+  blocks as it is scheduled and the others hit them in the same step, so they hold those blocks once.
+- When a decode step needs a block and none is free, the most recently started running sequence is
+  preempted by recompute: its blocks are freed (still cached), its generated tokens kept, and it goes back
+  to the front of the waiting queue, counted in ``vllm:num_preemptions_total``. Resumed, it hits its own
+  blocks unless they were evicted meanwhile.
+- Generated tokens get ids no prompt has, unique to their sequence: only that sequence can hit them.
+- With ``prefix_caching`` off nothing is looked up or cached, so nothing is shared, siblings included.
 
 With no delays and enough free blocks a request completes synchronously (no scheduler round trip), so a
 benchmark measures the gateway, not the simulator.
@@ -20,175 +29,16 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Literal
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
+
+from .vllm_sim_blocks import KvCache
+from .vllm_sim_metrics import SimMetrics
+from .vllm_sim_types import Fault, Prompt, Sequence, SimConfig
 
 VLLM_VERSION = "0.32.0"
 REQUESTS_SEEN_LIMIT = 1000
-
-# vLLM's own bucket bounds (vllm/v1/metrics/buckets.py).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
-
-
-class Fault(Enum):
-    """Misbehaviour of the generation endpoints (``/v1/chat/completions``, ``/v1/completions``).
-
-    HANG: accept the request and never answer (until the client goes away).
-    RESET: drop the TCP connection (RST) without a response.
-    GARBAGE: 200 with a non-JSON body; a streaming request gets a broken SSE event.
-    ERROR_500: 500 with vLLM's internal-error body.
-    SLOW_FIRST_BYTE: answer normally after ``SimConfig.fault_delay`` seconds.
-    DIE_MID_STREAM: stream ``SimConfig.fault_after_chunks`` chunks, then drop the connection
-        (a non-streaming request is dropped like RESET).
-    ENGINE_DEAD: what vLLM does once its engine core died: ``/health`` 503, generation 500.
-    """
-
-    HANG = "hang"
-    RESET = "reset"
-    GARBAGE = "garbage"
-    ERROR_500 = "error_500"
-    SLOW_FIRST_BYTE = "slow_first_byte"
-    DIE_MID_STREAM = "die_mid_stream"
-    ENGINE_DEAD = "engine_dead"
-
-
-@dataclass
-class SimConfig:
-    model: str = "tiny"
-    root: str | None = None
-    max_model_len: int = 2048
-    num_blocks: int = 32
-    block_size: int = 16
-    token_delay: float = 0.0
-    prefill_delay_per_token: float = 0.0
-    tokenizer: Any | None = None
-    api_key: str | None = None
-    error_style: Literal["nested", "flat"] = "nested"
-    reject_prompt_plus_max_tokens: bool = False
-    disable_log_stats: bool = False
-    max_num_seqs: int = 256
-    stop_early: Callable[[int, int], int] | None = None
-    fault: Fault | None = None
-    fault_delay: float = 1.0
-    fault_after_chunks: int = 2
-    # vLLM refuses tool_choice "auto" unless started with --enable-auto-tool-choice --tool-call-parser.
-    enable_auto_tool_choice: bool = False
-
-
-@dataclass(eq=False)
-class _Group:
-    """The sequences of one request: they share the full blocks of their common prompt."""
-
-    shared_blocks: int
-    holders: int = 0
-
-
-@dataclass(eq=False)
-class Sequence:
-    """One choice of one prompt of a request, as the engine schedules it."""
-
-    index: int
-    prompt_tokens: int
-    max_tokens: int
-    target: int
-    group: _Group | None
-    on_token: Callable[[Sequence], None]
-    arrival: float
-    generated: int = 0
-    own_blocks: int = 0
-    running: bool = False
-    finish_reason: str | None = None
-    aborted: bool = False
-    first_token_at: float | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None or self.aborted
-
-
-class _Metrics:
-    """vLLM's ``vllm:`` series on a registry of the simulator's own."""
-
-    def __init__(self, config: SimConfig) -> None:
-        self.registry = CollectorRegistry()
-        labels = ["model_name", "engine"]
-        values = [config.model, "0"]
-        r = self.registry
-
-        def gauge(name: str, doc: str) -> Any:
-            return Gauge(name, doc, labels, registry=r).labels(*values)
-
-        def counter(name: str, doc: str) -> Any:
-            return Counter(name, doc, labels, registry=r).labels(*values)
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(*values)
-
-        self.running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          [*labels, "finished_reason"], registry=r)
-        self.success = {reason: success.labels(*values, reason) for reason in ("stop", "length", "abort")}
-        token_buckets = _one_two_five_buckets(config.max_model_len)
-        self.request_prompt = histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                        token_buckets)
-        self.request_generation = histogram("vllm:request_generation_tokens",
-                                            "Number of generation tokens processed.", token_buckets)
-        self.ttft = histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", LATENCY_BUCKETS)
-        info = _cache_config_info(config)
-        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", list(info),
-              registry=r).labels(**info).set(1)
-
-
-def _one_two_five_buckets(limit: int) -> tuple[float, ...]:
-    buckets: list[float] = []
-    exponent = 0
-    while True:
-        for mantissa in (1, 2, 5):
-            value = mantissa * 10**exponent
-            if value > limit:
-                return tuple(buckets)
-            buckets.append(value)
-        exponent += 1
-
-
-def _cache_config_info(config: SimConfig) -> dict[str, str]:
-    # The label set of vLLM 0.32's CacheConfig.metrics_info(), plus "engine".
-    tokens = config.num_blocks * config.block_size
-    return {
-        "block_size": str(config.block_size), "user_specified_block_size": "True", "kv_cache_layout": "None",
-        "prefix_match_unit": "None", "gpu_memory_utilization": "0.92", "cache_dtype": "auto",
-        "is_attention_free": "False", "num_gpu_blocks_override": "None", "sliding_window": "None",
-        "enable_prefix_caching": "True", "prefix_caching_hash_algo": "sha256",
-        "prefix_cache_retention_interval": "0", "kv_cache_dtype_skip_layers": "[]",
-        "mamba_page_size_padded": "None", "skip_page_size_padded": "None", "mamba_block_size": "None",
-        "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", "mamba_cache_mode": "none",
-        "enable_mamba_shared_prefix_checkpoint": "False", "replayssm_buffer_len": "16",
-        # num_blocks is what requests can hold; vLLM reports one more, the null block it keeps out of the pool.
-        "use_replayssm": "False", "use_kda_recoverssm": "False", "num_gpu_blocks": str(config.num_blocks + 1),
-        "num_cpu_blocks": "None", "effective_attention_block_size": "None",
-        "kv_cache_size_tokens": str(tokens), "kv_cache_max_concurrency": str(round(tokens / config.max_model_len, 2)),
-        "hash_block_size": "None", "cache_hit_alignment_tokens": "None", "kv_sharing_fast_prefill": "False",
-        "swa_bounded_replay": "True", "kv_cache_memory_bytes": "None", "kv_offloading_size": "None",
-        "kv_offloading_backend": "native", "engine": "0",
-    }
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class Simulator:
@@ -197,19 +47,26 @@ class Simulator:
     def __init__(self, config: SimConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.clock = clock
+        self.kv = KvCache(config.num_blocks, config.block_size, config.prefix_caching)
         self.preemptions_total = 0
-        self.used_blocks = 0
-        self.peak_used_blocks = 0
         self.cancelled = 0
         self.requests_seen: deque[dict[str, Any]] = deque(maxlen=REQUESTS_SEEN_LIMIT)
         self.request_count = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        # vllm:prefix_cache_queries_total and _hits_total: tokens looked up and found at first schedulings.
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
         # While paused the loop does not step; tests drive the engine with step().
         self.paused = False
+        # While frozen (freeze()), /metrics repeats this page, as a SIGSTOPped vLLM engine core's API server does.
+        self.frozen_page: bytes | None = None
         self._running: list[Sequence] = []
         self._waiting: deque[Sequence] = deque()
-        self._metrics = None if config.disable_log_stats else _Metrics(config)
+        self._metrics = None if config.disable_log_stats else SimMetrics(config)
+        # Token ids the simulator makes up are negative, so no tokenizer's id equals one of them.
+        self._next_made_up_id = -1
+        self._finished = 0
         self._task: asyncio.Task[None] | None = None
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -229,14 +86,31 @@ class Simulator:
         return self.config.num_blocks * self.config.block_size
 
     @property
+    def used_blocks(self) -> int:
+        """Blocks some sequence holds (a block shared by several counts once)."""
+        return self.kv.pool.used
+
+    @property
+    def peak_used_blocks(self) -> int:
+        return self.kv.peak_used
+
+    @property
     def free_blocks(self) -> int:
-        return self.config.num_blocks - self.used_blocks
+        """Blocks no sequence holds, cached ones included."""
+        return self.kv.pool.free
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks a lookup can find, held or free."""
+        return self.kv.pool.cached_blocks
 
     @property
     def kv_cache_usage(self) -> float:
         return self.used_blocks / self.config.num_blocks
 
     def metrics_text(self) -> bytes:
+        if self.frozen_page is not None:
+            return self.frozen_page
         if self._metrics is None:
             return b""
         m = self._metrics
@@ -262,29 +136,37 @@ class Simulator:
 
     def submit(
         self,
-        prompt_tokens: int,
+        prompt: int | list[int],
         n: int,
         max_tokens: int,
         target: int,
         on_token: Callable[[Sequence], None],
         *,
         first_index: int = 0,
+        lora: tuple[str, str] | None = None,
+        cache_salt: str | None = None,
     ) -> list[Sequence]:
         """Queue the ``n`` sequences of one prompt; ``on_token`` runs after each token and at the end.
 
-        When nothing needs time and the blocks suffice, every sequence completes before this returns.
+        ``prompt`` is its token ids, or a number of tokens: ids no other prompt has. ``lora`` is the adapter
+        (name, path) and ``cache_salt`` the request's salt; both key the prompt's blocks apart. When nothing
+        needs time and the blocks suffice, every sequence completes before this returns.
         """
         now = self.clock()
-        bs = self.config.block_size
+        ids = self._made_up_ids(prompt) if isinstance(prompt, int) else list(prompt)
         # vLLM refuses to start with a cache smaller than one max_model_len request; the simulator accepts
         # such configs and stops a sequence (finish_reason "length") when it would outgrow the whole cache.
-        target = min(target, self.capacity_tokens - prompt_tokens)
+        target = min(target, self.capacity_tokens - len(ids))
         if target < 1:
-            raise ValueError(f"a prompt of {prompt_tokens} tokens does not fit into the KV cache "
+            raise ValueError(f"a prompt of {len(ids)} tokens does not fit into the KV cache "
                              f"({self.capacity_tokens} tokens)")
-        group = _Group(prompt_tokens // bs) if n > 1 and prompt_tokens >= bs else None
-        seqs = [Sequence(first_index + i, prompt_tokens, max_tokens, target, group, on_token, now)
-                for i in range(n)]
+        shared = Prompt(ids, lora, cache_salt)
+        seqs = [Sequence(first_index + i, shared, max_tokens, target, on_token, now,
+                         self._made_up_ids(target)[0]) for i in range(n)]
+        if self.kv.caching:
+            keys = self.kv.keys(seqs[0], len(ids) // self.config.block_size)
+            for seq in seqs[1:]:
+                seq.keys = list(keys)
         if self._can_finish_now(seqs):
             self._finish_now(seqs, now)
             return seqs
@@ -292,29 +174,32 @@ class Simulator:
         self._kick()
         return seqs
 
+    def _made_up_ids(self, count: int) -> list[int]:
+        start = self._next_made_up_id
+        self._next_made_up_id -= count
+        return list(range(start, start - count, -1))
+
     def _can_finish_now(self, seqs: list[Sequence]) -> bool:
         cfg = self.config
         if cfg.token_delay or cfg.prefill_delay_per_token or self.paused or self._waiting:
             return False
         if len(self._running) + len(seqs) > cfg.max_num_seqs:
             return False
-        return self._full_need(seqs) <= self.free_blocks
-
-    def _full_need(self, seqs: list[Sequence]) -> int:
-        first = seqs[0]
-        shared = first.group.shared_blocks if first.group else 0
-        per_seq = _ceil_div(first.prompt_tokens + first.target, self.config.block_size) - shared
-        return shared + per_seq * len(seqs)
+        return self.kv.most_to_finish(seqs) <= self.kv.pool.free
 
     def _finish_now(self, seqs: list[Sequence], now: float) -> None:
-        self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks + self._full_need(seqs))
+        # As the scheduler would: all admitted in one step (so siblings hit the first one's blocks), then
+        # every step's blocks at once; the last generated token needs no slot.
         for seq in seqs:
+            admitted = self._admit(seq)
+            assert admitted is not None, "checked by _can_finish_now"
+            self.kv.grow(seq, seq.prompt_tokens + seq.target - 1)
             self._count_prompt(seq)
+        for seq in seqs:
             seq.first_token_at = now
             seq.generated = seq.target
             self._count_generated(seq.target)
-            seq.finish_reason = self._finish_reason(seq)
-            self._record_finish(seq, now)
+            self._retire(seq, now)
             seq.on_token(seq)
 
     def _finish_reason(self, seq: Sequence) -> str:
@@ -331,7 +216,7 @@ class Simulator:
             stopped = True
             if seq.running:
                 self._running.remove(seq)
-                self._free(seq)
+                self._release(seq)
             else:
                 self._waiting.remove(seq)
             if self._metrics is not None:
@@ -341,43 +226,46 @@ class Simulator:
 
     # -- blocks ---------------------------------------------------------------------------------------
 
-    def _blocks_to_hold(self, seq: Sequence, tokens: int) -> int:
-        shared = seq.group.shared_blocks if seq.group else 0
-        return _ceil_div(tokens, self.config.block_size) - shared
+    def _admit(self, seq: Sequence) -> int | None:
+        found = self.kv.admit(seq)
+        if found is None or not self.kv.caching or seq.preemptions:
+            return found  # vLLM's counters skip disabled lookups and those of resumed sequences
+        tokens = seq.prompt_tokens + seq.generated
+        self.prefix_cache_queries_total += tokens
+        self.prefix_cache_hits_total += found
+        if self._metrics is not None:
+            self._metrics.prefix_queries.inc(tokens)
+            if found:
+                self._metrics.prefix_hits.inc(found)
+        return found
 
-    def _admission_need(self, seq: Sequence) -> int:
-        own = self._blocks_to_hold(seq, seq.prompt_tokens + seq.generated + 1)
-        group = seq.group
-        return own + (group.shared_blocks if group is not None and group.holders == 0 else 0)
-
-    def _allocate(self, blocks: int) -> None:
-        self.used_blocks += blocks
-        self.peak_used_blocks = max(self.peak_used_blocks, self.used_blocks)
-
-    def _free(self, seq: Sequence) -> None:
-        self.used_blocks -= seq.own_blocks
-        seq.own_blocks = 0
+    def _release(self, seq: Sequence) -> None:
+        self.kv.release(seq)
         seq.running = False
-        group = seq.group
-        if group is not None:
-            group.holders -= 1
-            if group.holders == 0:
-                self.used_blocks -= group.shared_blocks
 
     def _preempt(self, seq: Sequence) -> None:
         self._running.remove(seq)
-        self._free(seq)
+        self._release(seq)
+        seq.preemptions += 1
         self._waiting.appendleft(seq)
         self.preemptions_total += 1
         if self._metrics is not None:
             self._metrics.preemptions.inc()
+
+    def _retire(self, seq: Sequence, now: float) -> None:
+        seq.finish_reason = self._finish_reason(seq)
+        self._finished += 1
+        seq.finish_order = self._finished
+        self._release(seq)
+        self._record_finish(seq, now)
 
     # -- scheduling -----------------------------------------------------------------------------------
 
     def step(self) -> int:
         """One engine step: schedule, then emit a token for every scheduled sequence.
 
-        Returns the number of prompt tokens prefilled in the step.
+        Returns the number of tokens prefilled in the step: those of admitted sequences (prompt, and the
+        tokens generated before a preemption) less those found cached.
         """
         scheduled, prefill = self._schedule()
         self._emit(scheduled)
@@ -389,8 +277,8 @@ class Simulator:
         for seq in list(self._running):
             if not seq.running:
                 continue  # preempted earlier in this step
-            grow = self._blocks_to_hold(seq, seq.prompt_tokens + seq.generated + 1) - seq.own_blocks
-            while grow > self.free_blocks:
+            tokens = seq.prompt_tokens + seq.generated
+            while self.kv.growth(seq, tokens) > self.kv.pool.free:
                 victim = self._running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -398,27 +286,21 @@ class Simulator:
                     break
             if not seq.running:
                 break
-            if grow > 0:
-                self._allocate(grow)
-                seq.own_blocks += grow
+            self.kv.grow(seq, tokens)
             scheduled.append(seq)
         prefill = 0
         if not preempted:
             while self._waiting and len(self._running) < self.config.max_num_seqs:
                 seq = self._waiting[0]
-                need = self._admission_need(seq)
-                if need > self.free_blocks:
+                found = self._admit(seq)
+                if found is None:
                     break
                 self._waiting.popleft()
-                self._allocate(need)
-                seq.own_blocks = self._blocks_to_hold(seq, seq.prompt_tokens + seq.generated + 1)
-                if seq.group is not None:
-                    seq.group.holders += 1
                 seq.running = True
                 self._running.append(seq)
                 if seq.generated == 0:
                     self._count_prompt(seq)
-                prefill += seq.prompt_tokens + seq.generated
+                prefill += seq.prompt_tokens + seq.generated - found
                 scheduled.append(seq)
         return scheduled, prefill
 
@@ -433,10 +315,8 @@ class Simulator:
             if seq.first_token_at is None:
                 seq.first_token_at = now
             if seq.generated >= seq.target:
-                seq.finish_reason = self._finish_reason(seq)
                 self._running.remove(seq)
-                self._free(seq)
-                self._record_finish(seq, now)
+                self._retire(seq, now)
             seq.on_token(seq)
         self._count_generated(emitted)
 
@@ -474,6 +354,19 @@ class Simulator:
         assert self._wake is not None
         self._wake.set()
 
+    def freeze(self) -> None:
+        """A frozen engine core: nothing steps, and the metrics keep their last values."""
+        self.frozen_page = self.metrics_text()
+        self.paused = True
+
+    def thaw(self) -> None:
+        """Step again; callable from any thread (tests run the simulator's server in a thread of its own)."""
+        self.frozen_page = None
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.resume)
+        else:
+            self.resume()
+
     def resume(self) -> None:
         """Let the scheduler loop step again after ``paused`` was set."""
         self.paused = False
@@ -502,4 +395,4 @@ class Simulator:
                 await task
 
 
-__all__ = ["VLLM_VERSION", "Fault", "Sequence", "SimConfig", "Simulator"]
+__all__ = ["VLLM_VERSION", "Fault", "Prompt", "Sequence", "SimConfig", "Simulator"]

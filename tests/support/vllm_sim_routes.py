@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Send
 
 from .vllm_sim import _asgi, _Rejected, _Run, _until_disconnect
+from .vllm_sim_engine import Sequence
 from .vllm_sim_text import ChatTemplateError
 from .vllm_sim_wire import token_text
 
@@ -52,9 +53,10 @@ class SimRoutes:
             result: Response = await plan(body, request)
             return result
         except _Rejected as exc:
-            return self.app.error(exc.message, exc.err_type, exc.status, exc.param)
+            error: Response = self.app.error(exc.message, exc.err_type, exc.status, exc.param)
         except ChatTemplateError as exc:
-            return self.app.error(str(exc))
+            error = self.app.error(str(exc))
+        return error
 
     # -- /v1/responses --------------------------------------------------------------------------------
     async def responses(self, request: Request) -> Response:
@@ -85,7 +87,8 @@ class SimRoutes:
         if effort is not None:
             kwargs.update(reasoning_effort=effort, enable_thinking=effort != "none")
         text = app.counter.chat_text(_messages(body.get("instructions"), items), _tools(body.get("tools")), kwargs)
-        prompt = len(app._prompt_ids(text, True))
+        ids = app._prompt_ids(text, True)
+        prompt = len(ids)
         if prompt > limit:
             raise _Rejected(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
                             f"at least {prompt} input tokens, which exceeds this limit even without any output "
@@ -96,8 +99,10 @@ class SimRoutes:
         max_tokens = limit - prompt if requested is None else min(requested, limit - prompt)
         run = _Run(1, bool(body.get("stream")))
         target = app.sim.output_length(app.sim.request_count - 1, max_tokens, bool(body.get("ignore_eos")))
-        run.seqs += app.sim.submit(prompt, 1, max_tokens, target, run.on_token)
-        shape = _ResponseShape(body, app.config.model, prompt, max_tokens)
+        keys = app._kv_keys(body)
+        run.seqs += app.sim.submit(ids, 1, max_tokens, target, run.on_token, lora=keys["lora"],
+                                   cache_salt=keys["cache_salt"])
+        shape = _ResponseShape(body, keys["model"], prompt, max_tokens)
         if body.get("stream"):
             return _asgi(lambda receive, send: self._stream(receive, send, run, shape))
         return _asgi(lambda receive, send: self._respond_when_done(receive, send, run, shape))
@@ -114,7 +119,7 @@ class SimRoutes:
             self.app.sim.abort(run.seqs)
             return
         seq = run.seqs[0]
-        payload = orjson.dumps(shape.response(seq.generated, seq.finish_reason))
+        payload = orjson.dumps(shape.response(seq.generated, seq.finish_reason, seq))
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": payload})
@@ -140,7 +145,7 @@ class SimRoutes:
                 deltas = b"".join(shape.delta(token_text(k, k + 1)) for k in range(sent, generated))
                 sent = generated
                 if finish is not None:
-                    await send({"type": "http.response.body", "body": deltas + shape.closing(sent, finish),
+                    await send({"type": "http.response.body", "body": deltas + shape.closing(sent, finish, seq),
                                 "more_body": False})
                     return
                 await send({"type": "http.response.body", "body": deltas, "more_body": True})
@@ -188,7 +193,8 @@ class SimRoutes:
 
     async def _score(self, body: dict[str, Any], *, rerank: bool) -> Response:
         if rerank:
-            first, second = [body.get("query")], body.get("documents")
+            first: Any = [body.get("query")]
+            second = body.get("documents")
         else:
             name = next((n for n in (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"),
                                      ("data_1", "data_2")) if n[0] in body), ("text_1", "text_2"))
@@ -345,14 +351,16 @@ class _ResponseShape:
         self.created = int(time.time())
         self.sequence = 0
 
-    def response(self, generated: int | None, finish: str | None) -> dict[str, Any]:
+    def response(self, generated: int | None, finish: str | None, seq: Sequence | None = None) -> dict[str, Any]:
         done = generated is not None
         status = "in_progress" if not done else "incomplete" if finish == "length" else "completed"
         output = [self.message(token_text(0, generated or 0), "completed")] if done else []
         usage = None
         if done:
+            # vLLM reports the prefill stats here whether or not --enable-prompt-tokens-details is set.
+            cached, written = (seq.cached_tokens or 0, seq.created_cache_tokens or 0) if seq else (0, 0)
             usage = {"input_tokens": self.prompt,
-                     "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
+                     "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written,
                                               "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
                      "output_tokens": generated,
                      "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
@@ -369,7 +377,8 @@ class _ResponseShape:
                 "top_logprobs": None, "truncation": "disabled", "usage": usage, "user": None}
 
     def message(self, text: str, status: str) -> dict[str, Any]:
-        content = [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}] if text else []
+        content: list[dict[str, Any]] = (
+            [{"annotations": [], "text": text, "type": "output_text", "logprobs": None}] if text else [])
         return {"id": self.item_id, "content": content, "role": "assistant", "status": status, "type": "message"}
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -391,13 +400,13 @@ class _ResponseShape:
     def delta(self, text: str) -> bytes:
         return self.event("response.output_text.delta", delta=text, logprobs=[], **self._at())
 
-    def closing(self, generated: int, finish: str) -> bytes:
+    def closing(self, generated: int, finish: str, seq: Sequence) -> bytes:
         text = token_text(0, generated)
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         return (self.event("response.output_text.done", text=text, logprobs=[], **self._at())
                 + self.event("response.content_part.done", part=part, **self._at())
                 + self.event("response.output_item.done", output_index=0, item=self.message(text, "completed"))
-                + self.event("response.completed", response=self.response(generated, finish)))
+                + self.event("response.completed", response=self.response(generated, finish, seq)))
 
 
 # -- the pooling routes' shapes --------------------------------------------------------------------------

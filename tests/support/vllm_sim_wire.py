@@ -8,7 +8,7 @@ the final usage chunk with ``exclude_none=True``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import orjson
@@ -77,6 +77,14 @@ class Plan:
     continuous_usage: bool
     ignore_eos: bool
     role: str = "assistant"
+    # The prompts' token ids (``prompts`` are their lengths) and what else keys their KV blocks.
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    lora: tuple[str, str] | None = None
+    cache_salt: str | None = None
+    # The name responses carry: the base model's, or the LoRA adapter's the request named.
+    model: str = ""
+    # --enable-prompt-tokens-details: usage carries prompt_tokens_details.
+    prompt_details: bool = False
 
 
 def token_text(start: int, end: int) -> str:
@@ -89,7 +97,7 @@ def full_body(plan: Plan, seqs: list[Sequence], model: str) -> dict[str, Any]:
     completion = sum(s.generated for s in seqs)
     prompt = plan.prompts[0] if plan.chat else sum(plan.prompts)
     usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion,
-             "prompt_tokens_details": None, "completion_tokens_details": None}
+             "prompt_tokens_details": _prompt_details(plan, seqs), "completion_tokens_details": None}
     if plan.chat:
         choices: list[dict[str, Any]] = [
             {"index": s.index, "message": {"role": plan.role, "content": token_text(0, s.generated),
@@ -107,6 +115,16 @@ def full_body(plan: Plan, seqs: list[Sequence], model: str) -> dict[str, Any]:
     return {"id": plan.request_id, "object": "text_completion", "created": created, "model": model,
             "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": usage,
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+
+
+def _prompt_details(plan: Plan, seqs: list[Sequence]) -> dict[str, Any] | None:
+    """``usage.prompt_tokens_details`` of a full response: the prefill stats of the sequence whose output
+    completed the request (for completions, of the last prompt), as vLLM's final RequestOutput carries them."""
+    if not plan.prompt_details:
+        return None
+    last = max(seqs if plan.chat else seqs[-plan.n:], key=lambda s: s.finish_order)
+    created = last.created_cache_tokens if plan.chat else None  # the completions route reports hits only
+    return {"cached_tokens": last.cached_tokens, "created_cache_tokens": created, "multimodal_tokens": None}
 
 
 class SseWriter:
@@ -160,10 +178,17 @@ class SseWriter:
         prompt = self._prompt_tokens(index)
         return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
 
-    def usage_chunk(self) -> bytes:
+    def usage_chunk(self, first: Sequence | None = None) -> bytes:
+        """The final usage chunk; ``first`` is the sequence whose output came first (its prefill stats)."""
         prompt = self.plan.prompts[0] if self.plan.chat else sum(self.plan.prompts)
         completion = sum(self.done)
-        usage = {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+        usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                                 "completion_tokens": completion}
+        if self.plan.prompt_details and first is not None:
+            details = {"cached_tokens": first.cached_tokens}
+            if self.plan.chat:
+                details["created_cache_tokens"] = first.created_cache_tokens
+            usage["prompt_tokens_details"] = details
         return self.head + b',"choices":[],"usage":' + orjson.dumps(usage) + b"}\n\n"
 
 

@@ -1,4 +1,4 @@
-"""Exact prompt token counts, as vLLM 0.32 computes them.
+"""Exact prompt token counts and ids, as vLLM 0.32 computes them.
 
 Two counters share one interface (``Counter``): ``LocalCounter`` runs the model's own tokenizer (``local``,
 with the cached text counter of ``text``); ``RemoteCounter`` asks the engine's ``/tokenize`` when no tokenizer
@@ -7,7 +7,7 @@ request's own template renders only in a sandboxed process (``templates``), and 
 by the same rules (``truncation``).
 """
 
-from gateway.guard.counting.counter import Counter, PromptField, PromptTruncation
+from gateway.guard.counting.counter import Counter, PromptField, PromptTokens, PromptTruncation
 from gateway.guard.counting.loader import TokenizerUnavailable, load_tokenizer
 from gateway.guard.counting.local import ChatPrompt, LocalCounter
 from gateway.guard.counting.remote import RemoteCounter
@@ -20,6 +20,7 @@ __all__ = [
     "Counter",
     "LocalCounter",
     "PromptField",
+    "PromptTokens",
     "PromptTruncation",
     "RemoteCounter",
     "TextCounter",

@@ -92,18 +92,32 @@ def _text_parts(content: str | list[Any] | None, where: str) -> list[tuple[str, 
                 raise InvalidRequest(f"{at}.{key} must be a string", param=f"{at}.{key}")
             out.append((text, {k: v for k, v in part.items() if k not in _KNOWN_PART_FIELDS}))
             continue
-        if (
-            ptype == "tool_reference"
-            or "tool_reference" in part
-            or ptype in _MEDIA_KEYS
-            or (ptype is None and any(k in part for k in _MEDIA_KEYS))
-        ):
+        if _is_media(part):
             raise MediaContent(f"{at} is a {ptype or 'media'} part; only the engine can count its tokens", param=at)
         raise InvalidRequest(
             f"{at}.type must be one of {', '.join(sorted(_TEXT_PART_KEYS))} or a media type; got {ptype!r}",
             param=f"{at}.type",
         )
     return out
+
+
+def _is_media(part: dict[str, Any]) -> bool:
+    ptype = part.get("type")
+    return bool(
+        ptype == "tool_reference"
+        or "tool_reference" in part
+        or ptype in _MEDIA_KEYS
+        or (ptype is None and any(k in part for k in _MEDIA_KEYS))
+    )
+
+
+def has_media(messages: Any) -> bool:
+    """Whether a message of ``messages`` has a part whose tokens only the engine knows (image, audio, ...)."""
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and _is_media(p) for p in content):
+            return True
+    return False
 
 
 def _strip_billing_header(parts: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:

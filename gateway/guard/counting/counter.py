@@ -1,5 +1,5 @@
 """The interface both prompt counters implement (the model's tokenizer here, or the engine's ``/tokenize``),
-and what their prompt truncation returns."""
+and what their tokenization and prompt truncation return."""
 
 from __future__ import annotations
 
@@ -14,6 +14,14 @@ from gateway.guard.prompts import Prompt, prompt_list, prompt_shape_error
 PromptField = Prompt | list[str] | list[list[int]]
 
 
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """One prompt as the engine schedules it: its token count and, where they can be known here, its token ids."""
+
+    count: int
+    ids: tuple[int, ...] | None  # exactly the ids vLLM schedules; None where only the engine knows them (media parts)
+
+
 @dataclass(frozen=True)
 class PromptTruncation:
     prompt: Prompt  # same kind as given: text keeps its end, token ids keep the last ids
@@ -25,6 +33,12 @@ class Counter(Protocol):
     async def count_chat(self, body: dict[str, Any]) -> int: ...
 
     async def count_prompts(self, prompt: PromptField, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    async def tokenize_chat(self, body: dict[str, Any]) -> PromptTokens: ...
+
+    async def tokenize_prompts(
+        self, prompt: PromptField, *, add_special_tokens: bool = True
+    ) -> list[PromptTokens]: ...
 
     async def truncate_chat(self, body: dict[str, Any], budget: int) -> ChatTruncation: ...
 
@@ -50,3 +64,8 @@ def keep_last_ids(prompt: list[int], budget: int) -> PromptTruncation:
     check_budget(budget, "prompt")
     kept = ids[-budget:]
     return PromptTruncation(kept, len(kept), len(ids) - len(kept))
+
+
+def given_ids(ids: list[int]) -> PromptTokens:
+    """A prompt sent as token ids: the engine schedules them exactly as given."""
+    return PromptTokens(len(ids), tuple(ids))

@@ -1,9 +1,9 @@
-"""Prompt counts with the model's own tokenizer, exactly as vLLM 0.32 computes them, without blocking the event loop.
+"""Prompt tokens with the model's own tokenizer, exactly as vLLM 0.32 computes them, without blocking the event loop.
 
 Chat requests are rendered the way vLLM renders them (``chatformat`` reproduces its message handling; the
 tokenizer's own ``apply_chat_template`` renders) and the text is tokenized with the request's
-``add_special_tokens`` (chat: off by default; completions: on) by the cached ``TextCounter``. Large inputs are
-counted in a thread pool, small ones inline.
+``add_special_tokens`` (chat: off by default; completions: on) by the cached ``TextCounter``, which gives the
+ids or just their count. Large inputs are tokenized in a thread pool, small ones inline.
 """
 
 from __future__ import annotations
@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
 
 from gateway.errors import InvalidRequest
 from gateway.guard.counting.chatformat import MediaContent, prepare_chat
-from gateway.guard.counting.counter import Counter, PromptField, PromptTruncation, check_budget, keep_last_ids
+from gateway.guard.counting.counter import (
+    Counter,
+    PromptField,
+    PromptTokens,
+    PromptTruncation,
+    check_budget,
+    given_ids,
+    keep_last_ids,
+)
 from gateway.guard.counting.template_wire import template_error_reason
 from gateway.guard.counting.templates import RequestTemplates, TemplateInputs
 from gateway.guard.counting.text import DEFAULT_CACHE_CHARS, TextCounter
@@ -48,10 +56,11 @@ class ChatPrompt:
 
 
 class LocalCounter:
-    """Counts with the model's own tokenizer, in ``executor`` (the loop's default pool when None).
+    """Tokenizes with the model's own tokenizer, in ``executor`` (the loop's default pool when None).
 
     ``fallback`` (e.g. a RemoteCounter) counts chat requests with media parts, whose tokens only the
-    engine knows; without one they are rejected as invalid. ``templates`` says whether a chat template sent
+    engine knows (their ids are left unknown: the engine's prefix keys include the media's hashes); without
+    one they are rejected as invalid. ``templates`` says whether a chat template sent
     in a request is refused (the default) or rendered in its sandbox; such a template never runs here.
     """
 
@@ -111,17 +120,33 @@ class LocalCounter:
         text, add_special = self.render_chat(body)
         return ChatPrompt(self.text.count(text, add_special))
 
+    def tokenize_chat_sync(self, body: dict[str, Any], with_ids: bool = True) -> PromptTokens:
+        text, add_special = self.render_chat(body)
+        return self._text_tokens(text, add_special, with_ids)
+
+    def _text_tokens(self, text: str, add_special_tokens: bool, with_ids: bool) -> PromptTokens:
+        # Counting alone only sums the pieces' lengths, without joining their ids into one tuple.
+        if not with_ids:
+            return PromptTokens(self.text.count(text, add_special_tokens), None)
+        ids = self.text.ids(text, add_special_tokens)
+        return PromptTokens(len(ids), ids)
+
     async def count_chat(self, body: dict[str, Any]) -> int:
+        return (await self._chat(body, with_ids=False)).count
+
+    async def tokenize_chat(self, body: dict[str, Any]) -> PromptTokens:
+        return await self._chat(body, with_ids=True)
+
+    async def _chat(self, body: dict[str, Any], *, with_ids: bool) -> PromptTokens:
         requested = self._templates.requested(body)  # refused before anything renders, when untrusted
         try:
             if requested is not None:
-                return await self._count_with_request_template(body, requested)
-            prompt = await self._run(_chat_chars(body), self.count_chat_sync, body)
+                return await self._tokens_with_request_template(body, requested, with_ids)
+            return await self._run(_chat_chars(body), self.tokenize_chat_sync, body, with_ids)
         except MediaContent:
             if self._fallback is None:
                 raise
-            return await self._fallback.count_chat(body)
-        return prompt.token_count
+            return PromptTokens(await self._fallback.count_chat(body), None)
 
     def _request_template_job(self, body: dict[str, Any], requested: str) -> tuple[bytes, bool]:
         """The sandbox's job for ``body``: validated here, with the template itself run only in the worker."""
@@ -131,10 +156,12 @@ class LocalCounter:
         job = self._template_inputs.job(template, body["messages"], prepared, self._templates.limits)
         return job, prepared.add_special_tokens
 
-    async def _count_with_request_template(self, body: dict[str, Any], requested: str) -> int:
+    async def _tokens_with_request_template(
+        self, body: dict[str, Any], requested: str, with_ids: bool
+    ) -> PromptTokens:
         job, add_special = await self._run(_chat_chars(body), self._request_template_job, body, requested)
         text = await self._templates.sandbox.render(job)
-        return await self._run(len(text), self.text.count, text, add_special)
+        return await self._run(len(text), self._text_tokens, text, add_special, with_ids)
 
     async def truncate_chat(self, body: dict[str, Any], budget: int) -> ChatTruncation:
         requested = self._templates.requested(body)
@@ -143,7 +170,8 @@ class LocalCounter:
 
         async def count(msgs: Messages) -> int:
             if requested is not None:
-                return await self._count_with_request_template({**body, "messages": msgs}, requested)
+                cut = {**body, "messages": msgs}
+                return (await self._tokens_with_request_template(cut, requested, False)).count
             return await self._run(size, lambda: self.count_chat_sync({**body, "messages": msgs}).token_count)
 
         async def drop_front(text: str, tokens: int) -> str:
@@ -164,6 +192,16 @@ class LocalCounter:
         prompts = prompt_list(prompt)
         size = sum(len(p) for p in prompts if isinstance(p, str))
         return await self._run(size, lambda: [self._count_prompt(p, add_special_tokens) for p in prompts])
+
+    def _prompt_tokens(self, prompt: Prompt, add_special_tokens: bool) -> PromptTokens:
+        return given_ids(prompt) if isinstance(prompt, list) else self._text_tokens(prompt, add_special_tokens, True)
+
+    async def tokenize_prompts(
+        self, prompt: PromptField, *, add_special_tokens: bool = True
+    ) -> list[PromptTokens]:
+        prompts = prompt_list(prompt)
+        size = sum(len(p) for p in prompts if isinstance(p, str))
+        return await self._run(size, lambda: [self._prompt_tokens(p, add_special_tokens) for p in prompts])
 
     def _truncate_text(self, text: str, budget: int, add_special_tokens: bool) -> PromptTruncation:
         original = self.text.count(text, add_special_tokens)

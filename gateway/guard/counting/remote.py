@@ -1,7 +1,8 @@
-"""Prompt counts from the engine's ``/tokenize``, for models whose tokenizer cannot be loaded here.
+"""Prompt tokens from the engine's ``/tokenize``, for models whose tokenizer cannot be loaded here.
 
 The same interface as ``LocalCounter``; each count is an HTTP round trip, and truncation cuts text by its
-average characters per token and re-counts, since ``/tokenize`` gives no character offsets.
+average characters per token and re-counts, since ``/tokenize`` gives no character offsets. The ids are the
+ones ``/tokenize`` answers, except for chats with media parts, whose prefix keys only the engine can compute.
 """
 
 from __future__ import annotations
@@ -11,11 +12,18 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway.errors import BadUpstreamResponse
-from gateway.guard.counting.chatformat import template_kwargs
-from gateway.guard.counting.counter import PromptField, PromptTruncation, check_budget, keep_last_ids
+from gateway.guard.counting.chatformat import has_media, template_kwargs
+from gateway.guard.counting.counter import (
+    PromptField,
+    PromptTokens,
+    PromptTruncation,
+    check_budget,
+    given_ids,
+    keep_last_ids,
+)
 from gateway.guard.counting.templates import RequestTemplates
 from gateway.guard.counting.truncation import ChatTruncation, Messages, truncate_messages
-from gateway.guard.prompts import Prompt, messages_of, prompt_list
+from gateway.guard.prompts import Prompt, is_int, messages_of, prompt_list
 
 
 class RemoteCounter:
@@ -33,14 +41,19 @@ class RemoteCounter:
         self._templates = templates or RequestTemplates(trusted=False)
 
     async def _count(self, payload: dict[str, Any]) -> int:
+        return (await self._tokens(payload)).count
+
+    async def _tokens(self, payload: dict[str, Any]) -> PromptTokens:
         answer = await self._tokenize({"model": self._model, **payload})
         count = answer.get("count") if isinstance(answer, dict) else None
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        ids = tuple(tokens) if isinstance(tokens, list) and all(is_int(t) for t in tokens) else None
         if type(count) is not int:
-            tokens = answer.get("tokens") if isinstance(answer, dict) else None
             if not isinstance(tokens, list):
                 raise BadUpstreamResponse(f"/tokenize answered without a count: {str(answer)[:200]}")
             count = len(tokens)
-        return count
+        # Ids that disagree with the count are not the prompt's (an engine answering counts only): unknown.
+        return PromptTokens(count, ids if ids is not None and len(ids) == count else None)
 
     def chat_payload(self, body: dict[str, Any]) -> dict[str, Any]:
         """The /tokenize request equivalent to a chat request (its extra template inputs go as kwargs)."""
@@ -63,11 +76,26 @@ class RemoteCounter:
     async def count_chat(self, body: dict[str, Any]) -> int:
         return await self._count(self.chat_payload(body))
 
+    async def tokenize_chat(self, body: dict[str, Any]) -> PromptTokens:
+        tokens = await self._tokens(self.chat_payload(body))
+        # Media parts are placeholder ids here, while the engine keys their blocks by the media's hashes.
+        return PromptTokens(tokens.count, None) if has_media(body["messages"]) else tokens
+
     async def count_prompts(self, prompt: PromptField, *, add_special_tokens: bool = True) -> list[int]:
         async def one(p: Prompt) -> int:
             if isinstance(p, list):
                 return len(p)
             return await self._count({"prompt": p, "add_special_tokens": add_special_tokens})
+
+        return list(await asyncio.gather(*(one(p) for p in prompt_list(prompt))))
+
+    async def tokenize_prompts(
+        self, prompt: PromptField, *, add_special_tokens: bool = True
+    ) -> list[PromptTokens]:
+        async def one(p: Prompt) -> PromptTokens:
+            if isinstance(p, list):
+                return given_ids(p)
+            return await self._tokens({"prompt": p, "add_special_tokens": add_special_tokens})
 
         return list(await asyncio.gather(*(one(p) for p in prompt_list(prompt))))
 

@@ -1,10 +1,11 @@
-"""Exact token counts of text, fast: the text is split at special tokens and each piece's count is cached.
+"""Exact token ids and counts of text, fast: the text is split at special tokens and each piece's ids are cached.
 
 The tokenizer extracts special tokens before it normalises or pre-tokenizes, so no merge ever crosses one, and
-each piece that starts with a special token tokenizes the same alone as in place. Piece counts are therefore
-additive and are cached by piece text: a conversation whose earlier turns were counted before only pays for its
-new turns, and pieces not in the cache are tokenized together in one batch call. Whether a tokenizer has that
-property is checked against whole-text tokenization when the counter is built; if not, text is counted whole.
+each piece that starts with a special token tokenizes the same alone as in place. A text's ids are therefore its
+pieces' ids joined (between the special tokens the tokenizer adds around any text), and are cached by piece
+text: a conversation whose earlier turns were tokenized before only pays for its new turns, and pieces not in
+the cache are tokenized together in one batch call. Whether a tokenizer has that property is checked against
+whole-text tokenization when the counter is built; if not, text is tokenized whole.
 """
 
 from __future__ import annotations
@@ -13,37 +14,50 @@ import itertools
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
+# Characters of piece text the cache holds. Its ids cost about twice as many bytes again: 8 bytes a token (a
+# token is ~4 characters of prose), as tuples of the counter's one int object per vocabulary id. Fresh ints
+# would cost 36 bytes a token; arrays 4, but every read would then create an int object per id again (about
+# 0.6 ms for 32K tokens, the time a whole conversation read from the cache takes), where tuples just share them.
 DEFAULT_CACHE_CHARS = 32 * 1024 * 1024
+
+Ids = tuple[int, ...]
 
 
 class TextCounter:
-    """Counts text exactly as ``len(tokenizer(text, add_special_tokens=...)["input_ids"])``; thread-safe."""
+    """Tokenizes text exactly as ``tokenizer(text, add_special_tokens=...)["input_ids"]``; thread-safe."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, cache_chars: int = DEFAULT_CACHE_CHARS) -> None:
         self.tokenizer = tokenizer
         self._backend: Tokenizer | None = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
-        self._specials_added = int(tokenizer.num_special_tokens_to_add(pair=False))
-        self._cache: OrderedDict[str, int] = OrderedDict()
+        self._cache: OrderedDict[str, Ids] = OrderedDict()
         self._cache_chars = 0
         self._cache_limit = cache_chars
         self._lock = threading.Lock()
+        self._ints: list[int] = []  # the one int object of each id, shared by the cached pieces
         self._split: re.Pattern[str] | None = None
+        self._before: Ids = ()  # the special tokens the tokenizer adds before any text (BOS), and after it
+        self._after: Ids = ()
         boundaries = self._boundary_tokens(self._backend) if self._backend is not None else []
-        if boundaries:
+        ends = self._special_ends() if boundaries else None
+        if boundaries and ends is not None:
+            self._before, self._after = ends
             # Split at the tokens the chat template writes (a few suffice, some models define hundreds),
-            # and only after checking on probes that counts really add up across them.
+            # and only after checking on probes that ids really join up across them.
             template = str(getattr(tokenizer, "chat_template", None) or "")
             boundaries = sorted(boundaries, key=lambda b: (b not in template, b))[:8]
             self._split = re.compile("|".join(re.escape(b) for b in sorted(boundaries, key=len, reverse=True)))
             if not self._additivity_holds(boundaries):
                 self._split = None
+        if self._split is not None and self._backend is not None:
+            self._ints = list(range(max(self._backend.get_vocab_size(with_added_tokens=True), len(tokenizer))))
 
     @property
     def splits_at_special_tokens(self) -> bool:
@@ -63,9 +77,18 @@ class TextCounter:
             boundaries.append(added.content)
         return boundaries
 
+    def _special_ends(self) -> tuple[Ids, Ids] | None:
+        """The ids added before and after a text with ``add_special_tokens``, or None if they do not just wrap it."""
+        bare = list(self.tokenizer("x y", add_special_tokens=False)["input_ids"])
+        full = list(self.tokenizer("x y", add_special_tokens=True)["input_ids"])
+        for at in range(len(full) - len(bare) + 1):
+            if full[at : at + len(bare)] == bare:
+                return tuple(full[:at]), tuple(full[at + len(bare) :])
+        return None
+
     def _additivity_holds(self, specials: list[str]) -> bool:
         samples = ["", "x", " x", "\n\n", "héllo  wörld ", "a\n b", "  ", "1 2", "\t!"]
-        probes = []
+        probes = ["", " end"]
         for s in specials:
             for before in samples:
                 for after in samples:
@@ -73,8 +96,9 @@ class TextCounter:
         probes.append("".join(specials) + " end")
         for text in probes:
             for add in (False, True):
-                whole = len(self.tokenizer(text, add_special_tokens=add)["input_ids"])
-                if self._count_uncached(text, add) != whole:
+                whole = list(self.tokenizer(text, add_special_tokens=add)["input_ids"])
+                pieces = self._pieces(text)
+                if list(self._join(self._encode(pieces) if pieces else [], add)) != whole:
                     return False
         return True
 
@@ -87,54 +111,70 @@ class TextCounter:
         starts.append(len(text))
         return [text[a:b] for a, b in itertools.pairwise(starts) if b > a]
 
-    def _encode_counts(self, pieces: list[str]) -> list[int]:
+    def _encode(self, pieces: list[str]) -> list[list[int]]:
         if self._backend is None:
-            return [len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces]
+            return [list(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces]
         # The batch call skips offsets (3-4x faster than encode) and spreads pieces over the cores.
-        return [len(e.ids) for e in self._backend.encode_batch_fast(pieces, add_special_tokens=False)]
+        return [e.ids for e in self._backend.encode_batch_fast(pieces, add_special_tokens=False)]
 
-    def _count_uncached(self, text: str, add_special_tokens: bool) -> int:
-        pieces = self._pieces(text)
-        total = sum(self._encode_counts(pieces)) if pieces else 0
-        return total + (self._specials_added if add_special_tokens else 0)
-
-    def count(self, text: str, add_special_tokens: bool = False) -> int:
-        if self._split is None:
-            return len(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-        pieces = self._pieces(text)
-        counts: dict[str, int] = {}
+    def _piece_ids(self, pieces: list[str]) -> list[Sequence[int]]:
+        """Each piece's ids: from the cache, else tokenized (all missing pieces in one batch) and remembered."""
+        found: dict[str, Sequence[int]] = {}
         with self._lock:
             for p in pieces:
                 hit = self._cache.get(p)
                 if hit is not None:
                     self._cache.move_to_end(p)
-                    counts[p] = hit
-        missing = [p for p in dict.fromkeys(pieces) if p not in counts]
+                    found[p] = hit
+        missing = [p for p in dict.fromkeys(pieces) if p not in found]
         if missing:
-            fresh = self._encode_counts(missing)
-            counts.update(zip(missing, fresh, strict=True))
+            fresh = self._encode(missing)
+            found.update(zip(missing, fresh, strict=True))
             self._remember(zip(missing, fresh, strict=True))
-        total = sum(counts[p] for p in pieces)
-        return total + (self._specials_added if add_special_tokens else 0)
+        return [found[p] for p in pieces]
 
-    def _remember(self, items: Iterable[tuple[str, int]]) -> None:
+    def _join(self, parts: Iterable[Sequence[int]], add_special_tokens: bool) -> Ids:
+        out: list[int] = list(self._before) if add_special_tokens else []
+        for ids in parts:
+            out.extend(ids)
+        if add_special_tokens:
+            out.extend(self._after)
+        return tuple(out)
+
+    def count(self, text: str, add_special_tokens: bool = False) -> int:
+        if self._split is None:
+            return len(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        total = sum(len(ids) for ids in self._piece_ids(self._pieces(text)))
+        return total + (len(self._before) + len(self._after) if add_special_tokens else 0)
+
+    def ids(self, text: str, add_special_tokens: bool = False) -> Ids:
+        """The ids of ``text``, as ``tokenizer(text, add_special_tokens=...)["input_ids"]`` gives them."""
+        if self._split is None:
+            return tuple(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return self._join(self._piece_ids(self._pieces(text)), add_special_tokens)
+
+    def _remember(self, items: Iterable[tuple[str, list[int]]]) -> None:
         with self._lock:
-            for piece, n in items:
+            for piece, ids in items:
                 if len(piece) > self._cache_limit or piece in self._cache:
                     continue
-                self._cache[piece] = n
+                self._cache[piece] = self._shared(ids)
                 self._cache_chars += len(piece)
             while self._cache_chars > self._cache_limit and self._cache:
                 old, _ = self._cache.popitem(last=False)
                 self._cache_chars -= len(old)
 
+    def _shared(self, ids: list[int]) -> Ids:
+        """``ids`` as a tuple of the counter's own int objects, so that cached pieces hold no ints of their own."""
+        try:
+            return tuple(itemgetter(*ids)(self._ints)) if len(ids) > 1 else tuple(self._ints[i] for i in ids)
+        except IndexError:  # an id beyond the vocabulary the tokenizer reports: keep it as it came
+            return tuple(ids)
+
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
             self._cache_chars = 0
-
-    def ids(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def drop_front(self, text: str, tokens: int) -> str:
         """``text`` without (about) its first ``tokens`` tokens, cut at a token's first character."""

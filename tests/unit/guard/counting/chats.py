@@ -31,6 +31,11 @@ ANSWER = {"role": "tool", "tool_call_id": "c1", "content": "Sunny, 21 degrees"}
 
 def reference(tok: Any, body: dict[str, Any]) -> int:
     """The count by the tokenizer itself, the way vLLM calls it for a chat request."""
+    return len(reference_ids(tok, body))
+
+
+def reference_ids(tok: Any, body: dict[str, Any]) -> tuple[int, ...]:
+    """The ids by the tokenizer itself, the way vLLM calls it for a chat request."""
     kwargs = {
         "tools": body.get("tools"),
         "documents": body.get("documents"),
@@ -43,7 +48,7 @@ def reference(tok: Any, body: dict[str, Any]) -> int:
     ids = tok(text, add_special_tokens=body.get("add_special_tokens", False))["input_ids"]
     if not body.get("add_special_tokens"):
         assert ids == tok.apply_chat_template(body["messages"], tokenize=True, return_dict=False, **kwargs)
-    return len(ids)
+    return tuple(ids)
 
 
 def turn(role: str, words: int, tag: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from gateway.errors import BadUpstreamResponse
-from gateway.guard.counting import LocalCounter, RemoteCounter
+from gateway.guard.counting import LocalCounter, PromptTokens, RemoteCounter
 from tests.unit.guard.counting.chats import A1, A2, SYS, TOOLS, U1, U2, U3, U, counted, turn
 
 
@@ -21,10 +21,10 @@ class FakeTokenize:
     async def __call__(self, payload: dict[str, Any]) -> dict[str, Any]:
         self.payloads.append(payload)
         if "prompt" in payload:
-            n = self.counter.text.count(payload["prompt"], payload.get("add_special_tokens", True))
+            ids = self.counter.text.ids(payload["prompt"], payload.get("add_special_tokens", True))
         else:
-            n = self.counter.count_chat_sync({k: v for k, v in payload.items() if k != "model"}).token_count
-        return {"count": n, "max_model_len": 4096, "tokens": list(range(n))}
+            ids = self.counter.tokenize_chat_sync({k: v for k, v in payload.items() if k != "model"}).ids or ()
+        return {"count": len(ids), "max_model_len": 4096, "tokens": list(ids)}
 
 
 @pytest.fixture
@@ -88,3 +88,52 @@ async def test_a_tokenize_answer_without_a_count_is_a_bad_upstream_response(answ
 
     with pytest.raises(BadUpstreamResponse, match="without a count"):
         await RemoteCounter(tokenize, "tiny").count_prompts("x")
+
+
+ID_CHATS: list[dict[str, Any]] = [
+    {"messages": [U]},
+    {"messages": [SYS, U1, A1, U2], "add_generation_prompt": True},
+    {"messages": [U], "tools": TOOLS, "add_special_tokens": True},
+]
+
+
+@pytest.mark.parametrize("body", ID_CHATS)
+async def test_remote_chat_ids_are_the_engines_and_equal_the_local_ones(
+    remote: tuple[RemoteCounter, FakeTokenize], counter: LocalCounter, body: dict[str, Any]
+) -> None:
+    rc, _ = remote
+    tokens = await rc.tokenize_chat(body)
+    assert tokens == await counter.tokenize_chat(body)
+    assert tokens.ids is not None and tokens.count == len(tokens.ids) > 0
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+async def test_remote_prompt_ids_ask_only_for_text_and_keep_token_ids_as_given(
+    remote: tuple[RemoteCounter, FakeTokenize], counter: LocalCounter, add_special_tokens: bool
+) -> None:
+    rc, fake = remote
+    mixed: Any = ["Hello world", [9, 8, 7]]
+    tokens = await rc.tokenize_prompts(mixed, add_special_tokens=add_special_tokens)
+    assert tokens == await counter.tokenize_prompts(mixed, add_special_tokens=add_special_tokens)
+    assert tokens[1] == PromptTokens(3, (9, 8, 7))
+    assert [p["prompt"] for p in fake.payloads] == ["Hello world"]
+
+
+TOKENIZE_ANSWERS: list[tuple[str, dict[str, Any], PromptTokens]] = [
+    ("a count and its tokens", {"count": 3, "tokens": [4, 5, 6]}, PromptTokens(3, (4, 5, 6))),
+    ("tokens without a count", {"tokens": [4, 5]}, PromptTokens(2, (4, 5))),
+    ("a count without tokens", {"count": 3}, PromptTokens(3, None)),
+    ("tokens that disagree with the count", {"count": 3, "tokens": []}, PromptTokens(3, None)),
+    ("tokens that are not ids", {"count": 2, "tokens": [4, "x"]}, PromptTokens(2, None)),
+]
+
+
+@pytest.mark.parametrize(("case", "answer", "expected"), TOKENIZE_ANSWERS, ids=[c for c, _, _ in TOKENIZE_ANSWERS])
+async def test_remote_ids_are_known_only_when_the_answer_holds_exactly_the_counted_ids(
+    case: str, answer: dict[str, Any], expected: PromptTokens
+) -> None:
+    async def tokenize(payload: dict[str, Any]) -> dict[str, Any]:
+        return answer
+
+    assert await RemoteCounter(tokenize, "tiny").tokenize_prompts("x") == [expected]
+    assert await RemoteCounter(tokenize, "tiny").tokenize_chat({"messages": [U]}) == expected

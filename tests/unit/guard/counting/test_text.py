@@ -15,13 +15,13 @@ async def test_a_growing_conversation_reuses_what_was_counted(tokenizer: Any, mo
     counter = LocalCounter(tokenizer)
     uncached = LocalCounter(tokenizer, cache_chars=0)
     encoded: list[str] = []
-    real = counter.text._encode_counts
+    real = counter.text._encode
 
-    def recording(pieces: list[str]) -> list[int]:
+    def recording(pieces: list[str]) -> list[list[int]]:
         encoded.extend(pieces)
         return real(pieces)
 
-    monkeypatch.setattr(counter.text, "_encode_counts", recording)
+    monkeypatch.setattr(counter.text, "_encode", recording)
     messages = synthetic_chat(tokenizer, 3000)["messages"]
     for turns in range(2, len(messages) + 1):
         body = {"messages": messages[:turns]}
