@@ -1,23 +1,18 @@
 """Admission: admit, queue or shed each request against the engine's KV budget.
 
-A request's *need* is the most KV blocks it can make the engine allocate:
-``n x ceil((prompt_tokens + max_tokens) / block_size)`` (see ``ledger.request_need``). The *budget* is
-``B = floor(kv_target x capacity_blocks)``. The *ledger* sums the needs of the requests in flight
-(``committed``).
+A request's *need* is the most KV blocks admitting it adds: its sequences' own blocks (``n x`` prompt and
+``max_tokens``, less the shareable prompt blocks) plus the shareable prompt blocks no request in flight holds
+(``books``, ``sharing``; without prefix sharing, ``n x ceil((prompt + max_tokens) / block_size)``). The budget is
+``B = floor(kv_target x capacity_blocks)``; ``committed`` is what the books hold.
 
-``strict``
-    Admit while ``committed + need <= B``. Every reservation is an upper bound, so the engine can never
-    run short of blocks for the gateway's requests: no preemption, even if every request runs to its
-    ``max_tokens``. The price: requests that stop early hold blocks they never use.
+``strict``: admit while ``committed + need <= B``. Every booking is an upper bound, so the engine never runs short
+of blocks for the gateway's requests, even if every one runs to its ``max_tokens``.
 
-``adaptive`` (default)
-    Admit whenever strict would. Besides, while the engine's metrics are fresh, admit as far as the
-    projection of what the admitted requests will still grow by leaves room (see ``projection``). Stale or
-    absent metrics (``--disable-log-stats``, failed scrapes) switch the live path off: only the ledger admits.
+``adaptive`` (default): admit whenever strict would; besides, while the engine's metrics are fresh, as far as the
+projection of what the admitted requests will still grow by leaves room (``projection``). Stale or absent metrics
+switch the live path off.
 
-Both policies honour ``--max-concurrency``. Without a known capacity only the concurrency limit and the
-queue apply. The queue (see ``queue``) is re-examined on every release, on each new engine snapshot, and on
-resume.
+Both honour ``--max-concurrency``. The queue is re-examined on every release, snapshot and resume.
 """
 
 from __future__ import annotations
@@ -28,8 +23,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway import errors
-from gateway.admission.kv_view import KvView
-from gateway.admission.ledger import Capacity, Ledger, request_need, too_large_message
+from gateway.admission.books import Books
+from gateway.admission.gauges import LoadGauges
+from gateway.admission.kv_view import KvView, foreign_sequences
+from gateway.admission.ledger import Capacity, fit_output, too_large_message
+from gateway.admission.prefix import PromptPrefix
 from gateway.admission.projection import Projector, growth, project
 from gateway.admission.queue import DeadlineTimer, Drain, WaitQueue
 from gateway.admission.reservation import Phase, Reservation
@@ -56,8 +54,9 @@ class Admission:
         self._metrics = metrics
         self._clock = clock
         self._sleep = sleep
-        self._ledger = Ledger()
-        self._queue: WaitQueue[Reservation] = WaitQueue(settings.starvation_bound)
+        self._books = Books()
+        self._foreign = 0  # sequences the engine runs or queues beyond the gateway's, at the last snapshot
+        self._queue: WaitQueue[Reservation] = WaitQueue(settings.starvation_bound, fair=settings.fair_queueing == "on")
         self._timer = DeadlineTimer(self._queue, self._pump, clock=clock, sleep=sleep)
         self._in_flight: set[Reservation] = set()
         self._paused = False
@@ -67,10 +66,10 @@ class Admission:
         self._projector = Projector(credit_window=2 * settings.scrape_interval)
         self._checkpoint_spacing = settings.scrape_interval / 4
         self._projected: int | None = None  # the projection while a pass over the queue needs it
-        self._published_committed: int | None = None
-        self._published_depth: dict[int, int] | None = None
+        self._gauges = LoadGauges(metrics)
         cap = self._kv.capacity()
         self._block_size = cap.block_size if cap else (settings.block_size or DEFAULT_BLOCK_SIZE)
+        self._sharing = self._kv.prefix_sharing()
         if engine is not None:
             engine.on_snapshot(self._on_snapshot)
         self._publish_kv()
@@ -86,39 +85,47 @@ class Admission:
 
     @property
     def committed(self) -> int:
-        return self._ledger.committed
+        """Blocks booked: each request's own, and the shared prompt blocks once."""
+        return self._books.committed
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def sharing(self) -> bool:
+        """Whether prompt blocks shared by requests in flight are booked once (prefix caching on the engine)."""
+        return self._sharing
 
     @property
     def optimism(self) -> float:
         return self._projector.optimism.value
 
-    def fit(self, prompt_tokens: int, max_tokens: int, n: int, *, clamp: bool) -> int:
+    def budget_blocks(self) -> int | None:
+        """The blocks the gateway may commit (``kv_target`` x capacity); None while the capacity is unknown."""
+        return self._kv.budget(cap) if (cap := self._capacity()) is not None else None
+
+    def fit(self, prompt_tokens: int, max_tokens: int, n: int, *, clamp: bool, prefix_known: bool = False) -> int:
         """``max_tokens`` if the request fits the whole budget; with ``clamp``, lowered until it does.
-        Raises ``KVBudgetExceeded`` when it cannot fit."""
+        Raises ``KVBudgetExceeded`` when it cannot fit. ``prefix_known``: its prompt's token ids are known, so
+        with prefix sharing its ``n`` sequences hold their shareable prompt blocks once."""
         cap = self._capacity()
         if cap is None:
             return max_tokens
-        budget = self._kv.budget(cap)
-        bs = cap.block_size
-        need = request_need(prompt_tokens, max_tokens, n, bs)
-        if need <= budget:
-            return max_tokens
-        if clamp:
-            fitted = min(max_tokens, (budget // n) * bs - prompt_tokens)
-            if fitted >= 1:
-                return fitted
-        raise errors.KVBudgetExceeded(
-            too_large_message(prompt_tokens, max_tokens, n, need, cap, self._settings.kv_target)
+        return fit_output(
+            prompt_tokens, max_tokens, n, cap, self._settings.kv_target, clamp=clamp,
+            shared=self._sharing and prefix_known,
         )
 
     def reservation(
-        self, *, prompt_tokens: int, max_tokens: int, n: int, priority: int, request_id: str
+        self, *, prompt_tokens: int, max_tokens: int, n: int, priority: int, request_id: str,
+        tenant: str = "default", weight: float = 1.0, prefix: PromptPrefix | None = None,
     ) -> Reservation:
         self._capacity()  # settles the block size the need is counted in
         return Reservation(
             self, prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, priority=priority,
             request_id=request_id, block_size=self._block_size, clock=self._clock,
-            checkpoint_spacing=self._checkpoint_spacing,
+            checkpoint_spacing=self._checkpoint_spacing, tenant=tenant, weight=weight, prefix=prefix,
         )
 
     def pause(self) -> None:
@@ -167,7 +174,9 @@ class Admission:
             "capacity_source": cap.source if cap else None,
             "kv_target": self._settings.kv_target,
             "budget_blocks": budget,
-            "committed_blocks": self._ledger.committed,
+            "committed_blocks": self.committed,
+            "prefix_sharing": self._books.status(self._settings.prefix_sharing, self._sharing),
+            "foreign_sequences": self._foreign,
             "live_used_blocks": self._kv.live_used(cap),
             "projected_blocks": projected,
             "admit_limit_blocks": self._admit_limit(budget, projected),
@@ -175,6 +184,7 @@ class Admission:
             "max_concurrency": self._settings.max_concurrency,
             "queued": len(self._queue),
             "queued_by_priority": {str(p): c for p, c in sorted(self._queue.depth.items(), reverse=True)},
+            "fair_queueing": self._queue.fair, "tenants": self._queue.tenants(),
             "max_queue": self._settings.max_queue,
             "optimism": round(self._projector.optimism.value, 4),
             "output_estimate_tokens": self._projector.outputs.longest(),
@@ -199,8 +209,8 @@ class Admission:
         if r.phase is not Phase.NEW:
             raise RuntimeError(f"reservation {r.request_id} was already entered or released")
         cap = self._capacity()
-        r.recount(self._block_size)
-        if cap is not None and r.blocks > self._kv.budget(cap):
+        r.recount(self._block_size, self._sharing)
+        if cap is not None and r.alone_blocks > self._kv.budget(cap):
             r.reject()
             raise errors.KVBudgetExceeded(self._too_large_message(r, cap))
         now = self._clock()
@@ -224,7 +234,8 @@ class Admission:
         """Give back ``r``'s blocks, or withdraw it from the queue (``Reservation.release``; idempotent)."""
         if r.phase is Phase.ADMITTED:
             r.finish()
-            self._ledger.release(r.blocks)
+            self._queue.served(r, output_tokens=r.generated)
+            self._books.release(r)
             self._in_flight.discard(r)
             self._drain.note(self._clock())
             output = r.completed_output
@@ -248,8 +259,11 @@ class Admission:
         cap = self._capacity()
         if not self._paused:
             budget = self._kv.budget(cap) if cap else 0
+            if self._sharing:
+                for r in self._queue:
+                    self._books.quote(r)
             while (head := self._queue.head()) is not None:
-                if cap is not None and head.blocks > budget:
+                if cap is not None and head.alone_blocks > budget:
                     # Capacity shrank under a queued request (engine restarted smaller): it can never fit.
                     self._fail(head, errors.KVBudgetExceeded(self._too_large_message(head, cap)))
                     continue
@@ -265,24 +279,27 @@ class Admission:
             return False
         if cap is None:
             return True
+        self._books.quote(r)
         if r.blocks > budget:
             return False
-        if self._ledger.committed + r.blocks <= budget:
+        if self.committed + r.blocks <= budget:
             return True
         if self._settings.admission_policy != "adaptive" or not self._kv.live_usable():
             return False
         if self._projected is None:
             self._projected = self._projection_now(cap)
-        return self._projected is not None and self._projected + self._growth(r, cap) <= budget
+        grows = growth(r, cap.block_size, self._projector.outlook())
+        return self._projected is not None and self._projected + grows <= budget
 
     def _admit(self, r: Reservation, cap: Capacity | None) -> None:
         enqueued_at = self._queue.enqueued_at(r)
         self._dequeue(r)
         if self._projected is not None and cap is not None:
-            self._projected += self._growth(r, cap)
+            self._projected += growth(r, cap.block_size, self._projector.outlook())
         waited = max(0.0, self._clock() - enqueued_at)
         r.admit(waited)
-        self._ledger.commit(r.blocks)
+        self._books.commit(r)
+        self._queue.served(r, prompt_tokens=r.prompt_tokens)
         self._in_flight.add(r)
         self._idle.clear()
         self._metrics.record_admission("queued" if r.waited else "immediate", waited)
@@ -321,46 +338,49 @@ class Admission:
 
     # -- capacity and the live view ---------------------------------------------------------------
     def _capacity(self) -> Capacity | None:
-        """The capacity, after recounting every need if the engine's block size changed."""
+        """The capacity, after recounting every need if the engine's block size or prefix caching changed."""
         cap = self._kv.capacity()
-        if cap is not None and cap.block_size != self._block_size:
-            self._rebase(cap.block_size)
+        sharing = self._kv.prefix_sharing()
+        if (cap is not None and cap.block_size != self._block_size) or sharing != self._sharing:
+            self._rebase(cap.block_size if cap is not None else self._block_size, sharing)
         return cap
 
-    def _rebase(self, block_size: int) -> None:
-        """Recount every need in a new block size (the engine published a different one than assumed)."""
-        self._block_size = block_size
+    def _rebase(self, block_size: int, sharing: bool) -> None:
+        """Recount every need (the engine published another block size than assumed, or (re)started with prefix
+        caching switched): each admitted request gives back its shared blocks and takes them again as recounted."""
+        self._block_size, self._sharing = block_size, sharing
         for r in self._in_flight:
-            old = r.recount(block_size)
-            self._ledger.resize(old, r.blocks)
+            self._books.recount(r, block_size, sharing)
         for r in self._queue:
-            r.recount(block_size)
-
-    def _growth(self, r: Reservation, cap: Capacity) -> int:
-        return growth(r, cap.block_size, self._projector.outlook())
+            r.recount(block_size, sharing)
 
     def _projection_now(self, cap: Capacity | None) -> int | None:
         """The adaptive projection as of now; None where the policy does not use one."""
         if cap is None or self._settings.admission_policy != "adaptive" or not self._kv.live_usable():
             return None
-        return project(self._kv.live_used(cap) or 0, self._in_flight, cap.block_size, self._projector.outlook())
+        live = self._kv.live_used(cap) or 0
+        return project(live, self._in_flight, cap.block_size, self._projector.outlook(), self._books.shared_held)
 
     def _admit_limit(self, budget: int | None, projected: int | None) -> int | None:
         """The committed total the policy would accept now: the budget, plus what live usage frees."""
         if budget is None:
             return None
         if projected is not None:
-            return budget + max(0, self._ledger.committed - projected)
+            return budget + max(0, self.committed - projected)
         return budget
 
     def _on_snapshot(self, old: EngineSnapshot, new: EngineSnapshot) -> None:
-        self._projector.observe(old, new, self._in_flight)
+        self._foreign = foreign_sequences(new, self._in_flight)
+        blamed = self._projector.observe(old, new, self._in_flight, foreign=self._foreign > 0)
+        self._metrics.record_foreign(self._foreign, blamed)
         self._pump()
         self.publish()
 
     # -- messages and metrics ---------------------------------------------------------------------
     def _too_large_message(self, r: Reservation, cap: Capacity) -> str:
-        return too_large_message(r.prompt_tokens, r.max_tokens, r.n, r.blocks, cap, self._settings.kv_target)
+        return too_large_message(
+            r.prompt_tokens, r.max_tokens, r.n, r.alone_blocks, cap, self._settings.kv_target
+        )
 
     def _publish_kv(self) -> None:
         cap = self._kv.capacity()
@@ -368,18 +388,13 @@ class Admission:
             return
         budget = self._kv.budget(cap)
         self._metrics.record_kv(
-            capacity=cap.blocks, budget=budget, committed=self._ledger.committed, live_used=self._kv.live_used(cap),
+            capacity=cap.blocks, budget=budget, committed=self.committed, live_used=self._kv.live_used(cap),
             admit_limit=self._admit_limit(budget, self._projection_now(cap)) or budget,
         )
-        self._published_committed = self._ledger.committed
+        self._gauges.committed_set(self.committed)
 
     def _publish_load(self) -> None:
-        """Set the committed-blocks and queue-depth gauges where they changed."""
-        committed = self._ledger.committed
-        if committed != self._published_committed:
-            self._metrics.kv_committed.set(committed)
-            self._published_committed = committed
-        if self._queue.depth != self._published_depth:
-            depth = dict(self._queue.depth)
-            self._metrics.record_queue_depth(depth)
-            self._published_depth = depth
+        books = self._books
+        self._gauges.publish(
+            committed=books.committed, logical=books.logical, shared=books.shared_held, depth=self._queue.depth
+        )

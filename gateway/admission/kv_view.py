@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import TypedDict
+from collections.abc import Iterable
+from typing import Protocol, TypedDict
 
 from gateway.admission.ledger import Capacity, budget_blocks, capacity_from
 from gateway.config import Settings
-from gateway.engine.live import EngineView
+from gateway.engine.live import EngineSnapshot, EngineView
 
 
 class EngineStatus(TypedDict):
@@ -50,6 +51,14 @@ class KvView:
         usage = self._engine.snapshot.kv_usage
         return None if usage is None else math.ceil(usage * cap.blocks - 1e-9)
 
+    def prefix_sharing(self) -> bool:
+        """Whether to book shared prompt blocks once: ``--prefix-sharing on|off``, or with ``auto`` whether the
+        engine says prefix caching is on (``enable_prefix_caching`` of ``vllm:cache_config_info``)."""
+        mode = self._settings.prefix_sharing
+        if mode != "auto":
+            return mode == "on"
+        return self._engine is not None and self._engine.snapshot.prefix_caching is True
+
     def engine_status(self) -> EngineStatus | None:
         if self._engine is None:
             return None
@@ -63,3 +72,19 @@ class KvView:
     def publish_freshness(self) -> None:
         if self._engine is not None:
             self._engine.publish_freshness()
+
+
+class InFlight(Protocol):
+    @property
+    def n(self) -> int: ...
+
+
+def foreign_sequences(snapshot: EngineSnapshot, in_flight: Iterable[InFlight]) -> int:
+    """Sequences the engine runs or queues beyond the gateway's own: traffic that does not come through it.
+
+    vLLM counts each of a request's ``n`` sequences (and each prompt of a batch) as a request of its own. The
+    gateway's requests admitted but not yet at the engine make this an underestimate, never an overestimate."""
+    if not (snapshot.ok and snapshot.has_metrics) or snapshot.running is None:
+        return 0
+    engine = snapshot.running + (snapshot.waiting or 0)
+    return max(0, engine - sum(r.n for r in in_flight))

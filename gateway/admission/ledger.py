@@ -15,9 +15,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from gateway.admission.prefix import shareable_blocks
 from gateway.config import Settings
 from gateway.engine.live import EngineSnapshot
 from gateway.engine.vllm_api.defaults import DEFAULT_BLOCK_SIZE
+from gateway.errors import KVBudgetExceeded
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,25 @@ def too_large_message(prompt_tokens: int, max_tokens: int, n: int, need: int, ca
     )
 
 
+def fit_output(
+    prompt_tokens: int, max_tokens: int, n: int, cap: Capacity, kv_target: float, *, clamp: bool, shared: bool
+) -> int:
+    """``max_tokens`` if the request fits the whole budget; with ``clamp``, lowered until it does. ``shared``: its
+    ``n`` sequences hold their shareable prompt blocks once. Raises ``KVBudgetExceeded`` when it cannot fit."""
+    budget = budget_blocks(cap, kv_target)
+    bs = cap.block_size
+    common = shareable_blocks(prompt_tokens, bs) if shared else 0
+    need = common + own_blocks(prompt_tokens, max_tokens, n, bs, common)
+    if need <= budget:
+        return max_tokens
+    if clamp:
+        per_sequence = (budget - common) // n + common
+        fitted = min(max_tokens, per_sequence * bs - prompt_tokens)
+        if fitted >= 1:
+            return fitted
+    raise KVBudgetExceeded(too_large_message(prompt_tokens, max_tokens, n, need, cap, kv_target))
+
+
 def blocks_for(tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``tokens`` tokens (ceil)."""
     if block_size <= 0:
@@ -91,16 +112,31 @@ def request_need(prompt_tokens: int, max_tokens: int, n: int, block_size: int) -
     return n * blocks_for(max(0, prompt_tokens) + max(0, max_tokens), block_size)
 
 
-def blocks_in_use_at_least(prompt_tokens: int, generated: int, n: int, block_size: int) -> int:
+def own_blocks(prompt_tokens: int, max_tokens: int, n: int, block_size: int, shared: int = 0) -> int:
+    """Most blocks the ``n`` sequences can allocate beyond ``shared`` prompt blocks they hold in common.
+
+    With prefix sharing the first ``shared`` full blocks of the prompt are held once for the whole request
+    (and for every other request with the same prefix); each sequence still holds the rest of its prompt (the
+    block with the last prompt token is never shared) and its output. ``shared = 0`` is ``request_need``."""
+    if n < 1:
+        raise ValueError(f"n must be at least 1, got {n}")
+    per_sequence = blocks_for(max(0, prompt_tokens) + max(0, max_tokens), block_size)
+    return n * max(0, per_sequence - shared)
+
+
+def blocks_in_use_at_least(prompt_tokens: int, generated: int, n: int, block_size: int, shared: int = 0) -> int:
     """A lower bound of the blocks a running request holds after ``generated`` tokens over all its
-    sequences: each sequence holds its prompt's blocks, and all together hold every token."""
-    per_sequence = n * blocks_for(prompt_tokens, block_size)
-    together = blocks_for(n * prompt_tokens + max(0, generated), block_size)
+    sequences, beyond ``shared`` common prompt blocks: each sequence holds the rest of its prompt's blocks, and
+    all together hold every token past the shared ones (each sequence's own blocks start at a block boundary)."""
+    tail = max(0, prompt_tokens - shared * block_size)
+    per_sequence = n * blocks_for(tail, block_size)
+    together = blocks_for(n * tail + max(0, generated), block_size)
     return max(per_sequence, together)
 
 
 class Ledger:
-    """Committed blocks of the requests in flight. Never negative: a release without its commit is a bug."""
+    """Blocks each request in flight holds on its own (with prefix sharing, its shared prompt blocks are in
+    ``sharing.SharedBlocks``). Never negative: a release without its commit is a bug."""
 
     def __init__(self) -> None:
         self._committed = 0

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.admission.ledger import blocks_in_use_at_least, request_need
+from gateway.admission.ledger import blocks_in_use_at_least, own_blocks
 from gateway.engine.live import EngineSnapshot, counter_increase
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,10 @@ class Booked(Protocol):
     def n(self) -> int: ...
     @property
     def blocks(self) -> int: ...
+    @property
+    def prefix_blocks(self) -> int: ...
+    @property
+    def shared_blocks(self) -> int: ...
     @property
     def generated(self) -> int: ...
     @property
@@ -98,12 +102,16 @@ class Optimism:
         self.value = 1.0
         self._last_preemptions: float | None = None
 
-    def observe(self, preemptions_total: float | None, clean_seconds: float | None) -> float:
+    def observe(self, preemptions_total: float | None, clean_seconds: float | None, *, blame: bool = True) -> float:
         """Account one fresh snapshot; ``clean_seconds`` is the time since the previous good one (None if
-        there was none). Returns the preemptions new since the last snapshot."""
+        there was none). Returns the preemptions new since the last snapshot. Without ``blame`` (traffic that
+        bypasses the gateway ran), new preemptions leave the optimism as it is: backing off would not stop them,
+        and would hold the gateway's own admissions down for as long as the recovery takes."""
         increase = counter_increase(self._last_preemptions, preemptions_total)
         if preemptions_total is not None:
             self._last_preemptions = preemptions_total
+        if increase > 0 and not blame:
+            return increase
         if increase > 0:
             self.value *= BACKOFF
             if self.value < OPTIMISM_FLOOR:
@@ -125,18 +133,26 @@ class Projector:
     def outlook(self) -> Outlook:
         return Outlook(self.optimism.value, self.outputs.longest())
 
-    def observe(self, old: EngineSnapshot, new: EngineSnapshot, in_flight: Iterable[Creditable]) -> None:
-        """Learn from a new engine snapshot: preemptions move the optimism, progress earns credit."""
+    def observe(
+        self, old: EngineSnapshot, new: EngineSnapshot, in_flight: Iterable[Creditable], *, foreign: bool = False
+    ) -> float:
+        """Learn from a new engine snapshot: preemptions move the optimism, progress earns credit. ``foreign``:
+        the engine runs traffic that bypasses the gateway; returns the preemptions not held against admission."""
         if not (new.ok and new.has_metrics):
             for r in in_flight:
                 r.forget_credit()
-            return
-        increase = self.optimism.observe(new.preemptions_total, new.taken_at - old.taken_at if old.ok else None)
-        if increase > 0:
+            return 0.0
+        clean = new.taken_at - old.taken_at if old.ok else None
+        increase = self.optimism.observe(new.preemptions_total, clean, blame=not foreign)
+        if increase > 0 and foreign:
+            log.warning("engine reported %g new preemptions while traffic that bypasses the gateway ran; "
+                        "admission optimism kept at %.3f", increase, self.optimism.value)
+        elif increase > 0:
             log.warning("engine reported %g new preemptions; admission optimism now %.3f",
                         increase, self.optimism.value)
         for r in in_flight:
             r.credit(new.taken_at, self._credit_window)
+        return increase if foreign else 0.0
 
 
 def growth(r: Booked, block_size: int, outlook: Outlook, *, use_credit: bool = True) -> int:
@@ -144,20 +160,27 @@ def growth(r: Booked, block_size: int, outlook: Outlook, *, use_credit: bool = T
     (expected) end."""
     credited = 0
     if use_credit and r.credited is not None:
-        credited = blocks_in_use_at_least(r.prompt_tokens, r.credited, r.n, block_size)
+        # Seen running: the shared prompt blocks it booked are in the engine too (held by it or a sharer).
+        credited = r.prefix_blocks + blocks_in_use_at_least(
+            r.prompt_tokens, r.credited, r.n, block_size, r.shared_blocks
+        )
     worst = max(0, r.blocks - credited)
     if outlook.optimism <= 0.0 or outlook.longest is None:
         return worst
     per_sequence = math.ceil(r.generated / r.n)
     expected_out = min(r.max_tokens, max(outlook.longest, 2 * per_sequence))
-    expected = max(0, request_need(r.prompt_tokens, expected_out, r.n, block_size) - credited)
+    expected_own = own_blocks(r.prompt_tokens, expected_out, r.n, block_size, r.shared_blocks)
+    expected = max(0, r.prefix_blocks + expected_own - credited)
     return worst - math.floor(outlook.optimism * max(0, worst - expected))
 
 
-def project(live_used: int, in_flight: Iterable[Booked], block_size: int, outlook: Outlook) -> int:
-    """Where the in-flight requests take the engine's usage: the smaller of two bounds."""
+def project(
+    live_used: int, in_flight: Iterable[Booked], block_size: int, outlook: Outlook, shared_held: int = 0
+) -> int:
+    """Where the in-flight requests take the engine's usage: the smaller of two bounds. ``shared_held``: the
+    shared prompt blocks the in-flight requests hold together, each once."""
     on_top = live_used
-    final = 0
+    final = shared_held
     for r in in_flight:
         # On top of live usage: each request's growth past what the snapshot surely holds of it. A request
         # with no progress seen (not streamed, or not yet started) is counted whole, so what it already
@@ -165,7 +188,7 @@ def project(live_used: int, in_flight: Iterable[Booked], block_size: int, outloo
         on_top += growth(r, block_size, outlook)
         # Their final sizes together, never below what the engine holds now: exact for requests whose
         # progress is unknown, as long as the gateway is the engine's client (--kv-target leaves room).
-        final += growth(r, block_size, outlook, use_credit=False)
+        final += growth(r, block_size, outlook, use_credit=False) - r.prefix_blocks
     return min(on_top, max(live_used, final))
 
 

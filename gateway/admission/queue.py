@@ -1,10 +1,14 @@
-"""The waiting line for KV capacity: a bounded priority queue with deadlines and a starvation bound.
+"""The waiting line for KV capacity: a bounded queue with deadlines, priorities, fair shares between tenants and a
+starvation bound.
 
 Bounded by ``--max-queue`` (0: no queue, shed at once with 429); each request waits at most ``--queue-timeout``
-(then 503). Higher priority first, FIFO within a priority. When the head cannot be admitted, a smaller request
-behind it that fits may pass it, at most ``--starvation-bound`` times; then the head is served first.
-``Retry-After`` is the queue position divided by the releases per second seen over the last minute, bounded
-to 1..60 s.
+(then 503). Requests wait in lanes. With fair queueing (``--fair-queueing on``) each tenant has its own lane, and
+the next request comes from the waiting tenant with the smallest virtual token counter (see ``fairness``): a
+tenant alone may use the whole engine, tenants that compete share it by weight. Off, one lane holds everyone.
+Within a lane: higher priority first, FIFO within a priority. When the next request cannot be admitted, a smaller
+request behind it that fits may pass it, at most ``--starvation-bound`` times; then it is served first.
+``Retry-After`` is the queue position divided by the releases per second seen over the last minute, bounded to
+1..60 s; with several tenants waiting, the position counts the other tenants' turns taken meanwhile.
 """
 
 from __future__ import annotations
@@ -12,14 +16,18 @@ from __future__ import annotations
 import asyncio
 import bisect
 import itertools
+import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypedDict, TypeVar
+
+from gateway.admission.fairness import FairShare
 
 DRAIN_WINDOW_SECONDS = 60.0
 RETRY_AFTER_MIN, RETRY_AFTER_MAX = 1.0, 60.0
 RETRY_AFTER_UNKNOWN = 5.0  # no release seen yet: nothing to estimate from
+SHARED_LANE = ""  # the one lane without fair queueing
 
 
 class Waiting(Protocol):
@@ -29,101 +37,198 @@ class Waiting(Protocol):
     def priority(self) -> int: ...
     @property
     def blocks(self) -> int: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def weight(self) -> float: ...
 
 
 W = TypeVar("W", bound=Waiting)
+K = TypeVar("K")
+
+
+class TenantStatus(TypedDict):
+    """One tenant as ``/guard/status`` shows it."""
+
+    weight: float
+    counter: float
+    queued: int
+
+
+@dataclass
+class _Lane(Generic[W]):
+    name: str
+    entries: list[_Entry[W]] = field(default_factory=list)  # sorted by key
+    keys: list[tuple[int, int]] = field(default_factory=list)  # the entries' keys, for bisect
 
 
 @dataclass
 class _Entry(Generic[W]):
     item: W
-    key: tuple[int, int]  # (-priority, arrival): the queue's order
+    key: tuple[int, int]  # (-priority, arrival): the order within a lane
     enqueued_at: float
     deadline: float
-    passed: int = 0  # times a smaller request was admitted ahead of this one while it was the head
+    lane: _Lane[W]
+    passed: int = 0  # times a smaller request was admitted ahead of this one while it was next
 
 
 class WaitQueue(Generic[W]):
-    """Requests waiting for capacity, in admission order. Items are compared by identity."""
+    """Requests waiting for capacity, in admission order. Items are compared by identity.
 
-    def __init__(self, starvation_bound: int) -> None:
+    The counters advance in both modes (``served``), so that ``/guard/status`` shows the shares either way;
+    only with ``fair`` do they choose the next request."""
+
+    def __init__(self, starvation_bound: int, *, fair: bool = False) -> None:
         self._starvation_bound = starvation_bound
-        self._entries: list[_Entry[W]] = []  # sorted by key
-        self._keys: list[tuple[int, int]] = []  # the entries' keys, for bisect
+        self._fair = fair
+        self.shares = FairShare()
+        self._lanes: dict[str, _Lane[W]] = {}
         self._by_item: dict[W, _Entry[W]] = {}
         self._depth: dict[int, int] = {}
+        self._tenant_depth: dict[str, int] = {}
         self._arrivals = itertools.count()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._by_item)
 
     def __iter__(self) -> Iterator[W]:
-        return iter([e.item for e in self._entries])
+        return iter([e.item for lane in self._order() for e in lane.entries])
 
     def __contains__(self, item: object) -> bool:
         return item in self._by_item
+
+    @property
+    def fair(self) -> bool:
+        return self._fair
 
     @property
     def depth(self) -> Mapping[int, int]:
         """Waiting requests by priority (priorities with none left out)."""
         return self._depth
 
+    @property
+    def depth_by_tenant(self) -> Mapping[str, int]:
+        """Waiting requests by tenant (tenants with none left out)."""
+        return self._tenant_depth
+
     def push(self, item: W, now: float, deadline: float) -> None:
-        entry = _Entry(item, (-item.priority, next(self._arrivals)), now, deadline)
-        at = bisect.bisect(self._keys, entry.key)
-        self._keys.insert(at, entry.key)
-        self._entries.insert(at, entry)
+        tenant = item.tenant
+        if tenant not in self._tenant_depth:
+            self.shares.wake(tenant, item.weight, self._tenant_depth)
+        name = tenant if self._fair else SHARED_LANE
+        lane = self._lanes.get(name)
+        if lane is None:
+            lane = self._lanes[name] = _Lane(name)
+        entry = _Entry(item, (-item.priority, next(self._arrivals)), now, deadline, lane)
+        at = bisect.bisect(lane.keys, entry.key)
+        lane.keys.insert(at, entry.key)
+        lane.entries.insert(at, entry)
         self._by_item[item] = entry
         self._depth[item.priority] = self._depth.get(item.priority, 0) + 1
+        self._tenant_depth[tenant] = self._tenant_depth.get(tenant, 0) + 1
 
     def remove(self, item: W) -> bool:
         """Take ``item`` out; False when it was not waiting."""
         entry = self._by_item.pop(item, None)
         if entry is None:
             return False
-        at = bisect.bisect_left(self._keys, entry.key)
-        del self._entries[at]
-        del self._keys[at]
-        left = self._depth[item.priority] - 1
-        if left:
-            self._depth[item.priority] = left
-        else:
-            del self._depth[item.priority]
+        lane = entry.lane
+        at = bisect.bisect_left(lane.keys, entry.key)
+        del lane.entries[at]
+        del lane.keys[at]
+        if not lane.entries:
+            del self._lanes[lane.name]
+        _decrement(self._depth, item.priority)
+        if not _decrement(self._tenant_depth, item.tenant):
+            self.shares.rest(item.tenant)
         return True
 
+    def served(self, item: W, *, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
+        """Charge ``item``'s tenant for the tokens the engine served it: its prompt when it is admitted, its
+        output when it ends."""
+        self.shares.charge(item.tenant, item.weight, prompt_tokens=prompt_tokens, output_tokens=output_tokens)
+
     def head(self) -> W | None:
-        return self._entries[0].item if self._entries else None
+        """The request that goes next once it fits."""
+        lane = self._next_lane()
+        return lane.entries[0].item if lane is not None else None
 
     def position(self, item: W) -> int:
-        """How many wait ahead of ``item``."""
-        return bisect.bisect_left(self._keys, self._by_item[item].key)
+        """How many may be admitted ahead of ``item``: those ahead in its lane, and, with other tenants waiting,
+        the turns they take meanwhile by their weights."""
+        entry = self._by_item[item]
+        ahead = bisect.bisect_left(entry.lane.keys, entry.key)
+        if len(self._lanes) == 1:
+            return ahead
+        own = self.shares.weight(entry.lane.name)
+        total = sum(self.shares.weight(name) for name in self._lanes)
+        return math.ceil((ahead + 1) * total / own) - 1
 
     def enqueued_at(self, item: W) -> float:
         return self._by_item[item].enqueued_at
 
     def expired(self, now: float) -> list[W]:
         """The requests whose deadline has passed, in queue order."""
-        return [e.item for e in self._entries if e.deadline <= now]
+        return [e.item for lane in self._order() for e in lane.entries if e.deadline <= now]
 
     def nearest_deadline(self) -> float | None:
-        return min((e.deadline for e in self._entries), default=None)
+        return min((e.deadline for e in self._by_item.values()), default=None)
 
     def pick(self, fits: Callable[[W], bool]) -> W | None:
         """The next request to admit: the head if it fits, else a smaller one behind it that fits while the
         head has been passed fewer than the starvation bound times; None when nothing may go now."""
-        if not self._entries:
+        order = self._order()
+        if not order:
             return None
-        first = self._entries[0]
+        first = order[0].entries[0]
         if fits(first.item):
             return first.item
         if first.passed >= self._starvation_bound:
             return None
         passer = next(
-            (e.item for e in self._entries[1:] if e.item.blocks < first.item.blocks and fits(e.item)), None
+            (
+                e.item for lane in order for e in lane.entries
+                if e is not first and e.item.blocks < first.item.blocks and fits(e.item)
+            ),
+            None,
         )
         if passer is not None:
             first.passed += 1
         return passer
+
+    def tenants(self) -> dict[str, TenantStatus]:
+        """Every tenant seen: its weight, its counter and how many of its requests wait."""
+        return {
+            name: {"weight": share["weight"], "counter": share["counter"], "queued": self._tenant_depth.get(name, 0)}
+            for name, share in self.shares.status().items()
+        }
+
+    def _lane_order(self, lane: _Lane[W]) -> tuple[float, int, int]:
+        # Ties (a tenant back from idle is lifted to exactly the smallest counter) go to the lane with fewer
+        # waiting, so that a sparse tenant goes at the next release rather than after one more of a flood's
+        # requests; then to the lane whose next request came first.
+        return self.shares.counter(lane.name), len(lane.entries), lane.keys[0][1]
+
+    def _next_lane(self) -> _Lane[W] | None:
+        if len(self._lanes) <= 1:
+            return next(iter(self._lanes.values()), None)
+        return min(self._lanes.values(), key=self._lane_order)
+
+    def _order(self) -> list[_Lane[W]]:
+        """The lanes in the order they would be served if no counter moved."""
+        if len(self._lanes) <= 1:
+            return list(self._lanes.values())
+        return sorted(self._lanes.values(), key=self._lane_order)
+
+
+def _decrement(counts: dict[K, int], key: K) -> int:
+    """Count one less under ``key``, dropping it at zero; returns what is left."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
+    return left
 
 
 class Drain:

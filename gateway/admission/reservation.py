@@ -18,7 +18,8 @@ from types import TracebackType
 from typing import Protocol
 
 from gateway import errors
-from gateway.admission.ledger import request_need
+from gateway.admission.ledger import own_blocks, request_need
+from gateway.admission.prefix import BlockKey, PromptPrefix, block_keys
 from gateway.admission.projection import credited_progress
 
 CHECKPOINTS = 8  # progress checkpoints kept per request
@@ -52,6 +53,7 @@ class Reservation:
     def __init__(
         self, admitter: Admitter, *, prompt_tokens: int, max_tokens: int, n: int, priority: int,
         request_id: str, block_size: int, clock: Callable[[], float], checkpoint_spacing: float,
+        tenant: str = "default", weight: float = 1.0, prefix: PromptPrefix | None = None,
     ) -> None:
         self._admitter = admitter
         self._clock = clock
@@ -61,7 +63,12 @@ class Reservation:
         self.max_tokens = max_tokens
         self.n = n
         self.priority = priority
-        self._blocks = request_need(prompt_tokens, max_tokens, n, block_size)
+        self.tenant = tenant
+        self.weight = weight  # the tenant's share of the engine when tenants compete (see ``fairness``)
+        self.prefix = prefix
+        self._keys: tuple[BlockKey, ...] = ()
+        self._own = self._logical = request_need(prompt_tokens, max_tokens, n, block_size)
+        self._prefix_blocks = 0  # shared prompt blocks it adds: quoted while waiting, fixed at admission
         self.queue_ms = 0.0
         self._phase = Phase.NEW
         self._future: asyncio.Future[None] | None = None
@@ -85,8 +92,39 @@ class Reservation:
 
     @property
     def blocks(self) -> int:
-        """The most KV blocks this request can make the engine allocate, in the current block size."""
-        return self._blocks
+        """The most KV blocks admitting this request adds to the ledger: its own blocks, plus the shared prompt
+        blocks nobody in flight held (as quoted while it waits; as booked once admitted)."""
+        return self._own + self._prefix_blocks
+
+    @property
+    def own_blocks(self) -> int:
+        """Blocks its sequences can allocate beyond the shared prompt blocks."""
+        return self._own
+
+    @property
+    def prefix_blocks(self) -> int:
+        """Shared prompt blocks it added to the ledger (admitted) or would add now (waiting)."""
+        return self._prefix_blocks
+
+    @property
+    def keys(self) -> tuple[BlockKey, ...]:
+        """Keys of its shareable prompt blocks (empty without prefix sharing)."""
+        return self._keys
+
+    @property
+    def shared_blocks(self) -> int:
+        """Its prompt blocks held in common by its sequences (and by any request with the same prefix)."""
+        return len(self._keys)
+
+    @property
+    def logical_blocks(self) -> int:
+        """What it would book without prefix sharing: every sequence its whole prompt and output."""
+        return self._logical
+
+    @property
+    def alone_blocks(self) -> int:
+        """What it books when no other request holds its prefix: the most it can ever add."""
+        return self._own + len(self._keys)
 
     @property
     def generated(self) -> int:
@@ -140,11 +178,20 @@ class Reservation:
             self._checkpoints.append((now, generated))
 
     # -- the controller's side ----------------------------------------------------------------------
-    def recount(self, block_size: int) -> int:
-        """Count the need again in another block size; returns the previous count."""
-        old = self._blocks
-        self._blocks = request_need(self.prompt_tokens, self.max_tokens, self.n, block_size)
+    def recount(self, block_size: int, sharing: bool) -> int:
+        """Count the need again in another block size, or with prefix sharing switched; returns the previous own
+        blocks. The keys change with it: an admitted reservation's keys go back to the ledger before this."""
+        old = self._own
+        keys = block_keys(self.prefix, block_size) if sharing and self.prefix is not None else ()
+        self._keys = keys
+        self._own = own_blocks(self.prompt_tokens, self.max_tokens, self.n, block_size, len(keys))
+        self._logical = request_need(self.prompt_tokens, self.max_tokens, self.n, block_size)
+        self._prefix_blocks = len(keys)
         return old
+
+    def quote(self, prefix_blocks: int) -> None:
+        """Set the shared prompt blocks it would add if admitted now (the controller's to say)."""
+        self._prefix_blocks = prefix_blocks
 
     def enqueue(self) -> None:
         self._move(Phase.QUEUED, (Phase.NEW,))

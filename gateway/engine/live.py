@@ -38,6 +38,10 @@ class EngineSnapshot:
     generation_tokens_total: float | None
     num_gpu_blocks: int | None
     block_size: int | None
+    prefix_caching: bool | None = None  # the engine's enable_prefix_caching; None when it does not say
+    prefix_cache_queries_total: float | None = None  # tokens looked up in the prefix cache
+    prefix_cache_hits_total: float | None = None  # of those, tokens found
+    prompt_tokens_total: float | None = None  # prefilled tokens, counted as each prefill completes (progress)
 
 
 def never_scraped(at: float) -> EngineSnapshot:
@@ -53,7 +57,10 @@ def snapshot_of(at: float, page: EngineMetrics) -> EngineSnapshot:
         taken_at=at, ok=True, has_metrics=page.has_metrics, kv_usage=page.kv_usage, running=page.running,
         waiting=page.waiting, preemptions_total=page.preemptions_total,
         generation_tokens_total=page.generation_tokens_total, num_gpu_blocks=page.num_gpu_blocks,
-        block_size=page.block_size,
+        block_size=page.block_size, prefix_caching=page.prefix_caching,
+        prefix_cache_queries_total=page.prefix_cache_queries_total,
+        prefix_cache_hits_total=page.prefix_cache_hits_total,
+        prompt_tokens_total=page.prompt_tokens_total,
     )
 
 

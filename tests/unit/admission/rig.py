@@ -14,13 +14,21 @@ from tests.support.clock import FakeClock, ManualSleep
 BS = 16
 
 
-def vllm_text(kv_usage: float, preemptions: float = 0.0, blocks: int = 100, block_size: int = BS) -> str:
+def vllm_text(
+    kv_usage: float, preemptions: float = 0.0, blocks: int = 100, block_size: int = BS, *,
+    prefix_caching: bool | None = None, running: int | None = None, waiting: int = 0,
+) -> str:
     """An engine whose requests can hold ``blocks`` blocks: vLLM reports one more, its null block."""
-    return (
+    caching = "" if prefix_caching is None else f',enable_prefix_caching="{prefix_caching}"'
+    text = (
         f'vllm:kv_cache_usage_perc{{engine="0"}} {kv_usage}\n'
         f'vllm:num_preemptions_total{{engine="0"}} {preemptions}\n'
-        f'vllm:cache_config_info{{block_size="{block_size}",engine="0",num_gpu_blocks="{blocks + 1}"}} 1.0\n'
+        f'vllm:cache_config_info{{block_size="{block_size}"{caching},engine="0",num_gpu_blocks="{blocks + 1}"}} 1.0\n'
     )
+    if running is not None:
+        text += f'vllm:num_requests_running{{engine="0"}} {running}\n'
+        text += f'vllm:num_requests_waiting{{engine="0"}} {waiting}\n'
+    return text
 
 
 class Upstream:
@@ -62,9 +70,14 @@ class Rig:
         return self.adm.reservation(prompt_tokens=prompt, max_tokens=blocks * BS - prompt, n=n,
                                     priority=priority, request_id=f"r{self._ids}")
 
-    async def scrape(self, kv_usage: float, preemptions: float = 0.0, blocks: int = 100) -> None:
+    async def scrape(
+        self, kv_usage: float, preemptions: float = 0.0, blocks: int = 100, *,
+        prefix_caching: bool | None = None, running: int | None = None, waiting: int = 0,
+    ) -> None:
         assert self.view is not None
-        self.upstream.text = vllm_text(kv_usage, preemptions, blocks)
+        self.upstream.text = vllm_text(
+            kv_usage, preemptions, blocks, prefix_caching=prefix_caching, running=running, waiting=waiting
+        )
         await self.view.refresh()
 
     def count(self, name: str, **labels: str) -> float:

@@ -124,6 +124,8 @@ class Booked:
     generated: int = 0
     credited: int | None = None
     credits: int = 0
+    prefix_blocks: int = 0  # no prefix sharing: the projection as it was before sharing
+    shared_blocks: int = 0
 
     def credit(self, taken_at: float, window: float) -> None:
         self.credits += 1

@@ -1,13 +1,15 @@
-"""The queue: shedding, deadlines, Retry-After, priority order, the starvation bound, pause and shutdown."""
+"""The queue: shedding, deadlines, Retry-After, priority order, fair shares between tenants, the starvation bound,
+pause and shutdown."""
 
 from __future__ import annotations
 
 import pytest
 
 from gateway import errors
+from gateway.admission import Reservation
 from gateway.admission.queue import Drain, WaitQueue
 from gateway.http.errors import error_headers, status_and_type
-from tests.unit.admission.rig import Rig, enter, settle
+from tests.unit.admission.rig import BS, Rig, enter, settle
 
 
 # -- shedding and deadlines ------------------------------------------------------------------------
@@ -123,6 +125,62 @@ async def test_smaller_requests_pass_a_blocked_head_at_most_the_starvation_bound
     rig.assert_drained()
 
 
+# -- tenants ----------------------------------------------------------------------------------------
+def tenant_req(rig: Rig, tenant: str, weight: float = 1.0, *, prompt: int = 8, priority: int = 0) -> Reservation:
+    """A one-block request of ``tenant``."""
+    return rig.adm.reservation(prompt_tokens=prompt, max_tokens=BS - prompt, n=1, priority=priority,
+                               request_id=tenant, tenant=tenant, weight=weight)
+
+
+@pytest.mark.parametrize(
+    ("fair", "expected"),
+    [
+        ("on", ["b1", "a1", "b2", "a2", "a3"]),  # the tenant furthest behind next; ties: the one with fewer waiting
+        ("off", ["b1", "a1", "a2", "a3", "b2"]),  # priority first, then arrival
+    ],
+)
+async def test_fair_queueing_serves_tenants_in_turns_or_by_priority_when_off(fair: str, expected: list[str]) -> None:
+    rig = Rig(max_concurrency=1, fair_queueing=fair)
+    holder = await tenant_req(rig, "a").__aenter__()
+    queued = {
+        "a1": tenant_req(rig, "a"), "a2": tenant_req(rig, "a"), "a3": tenant_req(rig, "a"),
+        "b1": tenant_req(rig, "b", priority=3), "b2": tenant_req(rig, "b"),
+    }
+    order: list[str] = []
+    tasks = {name: enter(r) for name, r in queued.items()}
+    await settle()
+    current = holder
+    for _ in queued:
+        current.release()
+        await settle()
+        (name,) = [n for n, r in queued.items() if r.admitted]
+        order.append(name)
+        current = await tasks.pop(name)
+    current.release()
+    assert order == expected and rig.adm.status()["fair_queueing"] is (fair == "on")
+    rig.assert_drained()
+
+
+async def test_status_shows_each_tenants_weight_counter_and_queued_requests() -> None:
+    rig = Rig(max_concurrency=1)
+    holder = await tenant_req(rig, "a", 2.0, prompt=10).__aenter__()
+    waiting = [enter(tenant_req(rig, "b", 0.5)), enter(tenant_req(rig, "b", 0.5))]
+    await settle()
+    holder.observe_output_tokens(5)
+    assert rig.adm.status()["tenants"] == {
+        "a": {"weight": 2.0, "counter": 5.0, "queued": 0},  # the prompt's 10 tokens over weight 2
+        "b": {"weight": 0.5, "counter": 5.0, "queued": 2},  # lifted to the waiting tenants' smallest: a's
+    }
+    holder.release()  # the output is charged when the request ends: 5 tokens x 2 / 2
+    await settle()
+    assert rig.adm.status()["tenants"]["a"] == {"weight": 2.0, "counter": 10.0, "queued": 0}
+    assert rig.adm.status()["tenants"]["b"] == {"weight": 0.5, "counter": 21.0, "queued": 1}
+    for t in waiting:
+        (await t).release()
+        await settle()
+    rig.assert_drained()
+
+
 # -- pause and shutdown ----------------------------------------------------------------------------
 async def test_pause_holds_the_queue_and_its_deadlines_still_run() -> None:
     rig = Rig(queue_timeout=5.0)
@@ -154,10 +212,12 @@ async def test_close_turns_waiting_requests_away() -> None:
 
 # -- the queue on its own -----------------------------------------------------------------------------
 class Item:
-    def __init__(self, name: str, priority: int = 0, blocks: int = 1) -> None:
+    def __init__(self, name: str, priority: int = 0, blocks: int = 1, tenant: str = "default") -> None:
         self.name = name
         self.priority = priority
         self.blocks = blocks
+        self.tenant = tenant
+        self.weight = 1.0
 
     def __repr__(self) -> str:
         return self.name

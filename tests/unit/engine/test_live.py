@@ -63,7 +63,8 @@ async def test_refresh_builds_a_snapshot_from_metrics() -> None:
     snap = await view.refresh()
     assert snap == EngineSnapshot(
         taken_at=100.0, ok=True, has_metrics=True, kv_usage=0.25, running=3, waiting=1, preemptions_total=9.0,
-        generation_tokens_total=6789.0, num_gpu_blocks=32, block_size=128,
+        generation_tokens_total=6789.0, num_gpu_blocks=32, block_size=128, prefix_caching=True,
+        prefix_cache_queries_total=5200.0, prefix_cache_hits_total=1280.0, prompt_tokens_total=12345.0,
     )
     assert view.snapshot is snap and not view.is_stale()
 

@@ -1,0 +1,199 @@
+"""Prefix benchmark: shared-prompt workloads on a real vLLM (CPU build, prefix caching on), straight and through
+the gateway under each admission policy, runs taken in turns, medians reported.
+
+vLLM serves the tiny model with a 4,096-token KV cache (32 blocks of 128, one of them vLLM's null block) and
+max_model_len 2,048, prefix caching on as by default. Workloads:
+
+- ``shared``: vLLM's own benchmark client, dataset ``prefix_repetition``: 24 requests sharing one 1,200-token
+  prefix plus 60 unique tokens, 200 output tokens, all at once (``--request-rate inf``), completions backend;
+- ``groups``: the same with four prefixes (four system prompts), 32 requests;
+- ``chat``: vLLM's benchmark client, chat backend (``openai-chat``), 16 x (900 prompt + 600 output) tokens,
+  ``--ignore-eos``: requests run to their limit;
+- ``multiturn``: the OpenAI SDK: 8 conversations of 4 turns, each turn re-sending the conversation so far plus a
+  new question, streamed, 100 output tokens;
+- ``n4``: the OpenAI SDK: 6 chat requests of ~700 prompt tokens with ``n = 4``, 120 output tokens, streamed.
+
+Every run uses its own seed, so no run finds the previous run's prompts in the cache. Per cell: output tokens/s
+(and its ratio to direct), mean and p99 TTFT, mean TPOT, preemptions and prefix-cache hit rate (vLLM's own
+counters), failed requests; the median of the runs by throughput.
+
+    .venv/bin/python bench/prefix.py                       # every workload, direct / strict / adaptive, 3 runs
+    .venv/bin/python bench/prefix.py --workload shared --repeat 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.prefix_clients import multiturn, n_sampling, vllm_bench  # noqa: E402
+from tests.e2e.servers import (  # noqa: E402
+    DEFAULT_MAX_MODEL_LEN,
+    GATEWAY_READY_PATHS,
+    SERVED_MODEL_NAME,
+    VLLM_READY_PATHS,
+    ServerProcess,
+    ensure_tiny_model,
+    gateway_server,
+    get_json,
+    scrape_counter,
+    vllm_server,
+)
+
+COUNTERS = ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
+GATEWAY_ARGS = ("--queue-timeout", "600")
+
+
+@dataclass
+class Run:
+    tokens_per_s: float
+    mean_ttft_ms: float
+    p99_ttft_ms: float
+    mean_tpot_ms: float
+    failed: int
+    preemptions: float = 0.0
+    hit_rate: float | None = None
+
+
+Workload = Callable[[str, Path, int], Run]
+
+
+def _bench(dataset: list[str], backend: str = "openai") -> Workload:
+    def run(base: str, model: Path, seed: int) -> Run:
+        endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
+        result = vllm_bench([
+            "--backend", backend, "--base-url", base, "--endpoint", endpoint, "--model", SERVED_MODEL_NAME,
+            "--tokenizer", str(model), "--seed", str(seed), "--request-rate", "inf", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot", "--metric-percentiles", "99", *dataset,
+        ])
+        return Run(
+            float(result["output_throughput"]), float(result["mean_ttft_ms"]), float(result["p99_ttft_ms"]),
+            float(result["mean_tpot_ms"]), int(result.get("failed", 0)),
+        )
+
+    return run
+
+
+def _sdk(fn: Callable[[str, int], Any]) -> Workload:
+    def run(base: str, model: Path, seed: int) -> Run:
+        stats = asyncio.run(fn(base, seed))
+        return Run(stats.tokens_per_s, stats.mean_ttft_ms, stats.p99_ttft_ms, stats.mean_tpot_ms, stats.failed)
+
+    return run
+
+
+PREFIX_ARGS = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "1200",
+               "--prefix-repetition-suffix-len", "60", "--prefix-repetition-output-len", "200"]
+WORKLOADS: dict[str, Workload] = {
+    "shared": _bench([*PREFIX_ARGS, "--prefix-repetition-num-prefixes", "1", "--num-prompts", "24"]),
+    "groups": _bench([*PREFIX_ARGS, "--prefix-repetition-num-prefixes", "4", "--num-prompts", "32"]),
+    "chat": _bench(["--dataset-name", "random", "--random-input-len", "900", "--random-output-len", "600",
+                    "--num-prompts", "16", "--ignore-eos"], backend="openai-chat"),
+    "multiturn": _sdk(multiturn),
+    "n4": _sdk(n_sampling),
+}
+
+
+def wait_idle(vllm: ServerProcess, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy = sum(scrape_counter(f"{vllm.url}/metrics", n) for n in ("vllm:num_requests_running",
+                                                                     "vllm:num_requests_waiting"))
+        if busy == 0:
+            return
+        time.sleep(0.5)
+    raise RuntimeError("vLLM still busy after the run")
+
+
+def measure(vllm: ServerProcess, workload: Workload, base: str, model: Path, seed: int) -> Run:
+    wait_idle(vllm)
+    before = {n: scrape_counter(f"{vllm.url}/metrics", n) for n in COUNTERS}
+    run = workload(base, model, seed)
+    wait_idle(vllm)
+    after = {n: scrape_counter(f"{vllm.url}/metrics", n) for n in COUNTERS}
+    delta = {n: after[n] - before[n] for n in COUNTERS}
+    run.preemptions = delta[COUNTERS[0]]
+    run.hit_rate = delta[COUNTERS[1]] / delta[COUNTERS[2]] if delta[COUNTERS[2]] else None
+    return run
+
+
+def table(results: dict[str, dict[str, list[Run]]], targets: Sequence[str]) -> str:
+    lines = ["| workload | target | output tok/s (runs) | x direct | mean TTFT ms | p99 TTFT ms | mean TPOT ms | "
+             "preemptions (all runs) | prefix-cache hit rate | failed |", "|" + " --- |" * 10]
+    for name, by_target in results.items():
+        direct = statistics.median(r.tokens_per_s for r in by_target["direct"])
+        for target in targets:
+            runs = by_target[target]
+            med = sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+            each = ", ".join(f"{r.tokens_per_s:.0f}" for r in runs)
+            ratio = statistics.median(r.tokens_per_s for r in runs) / direct if direct else float("nan")
+            hit = "—" if med.hit_rate is None else f"{med.hit_rate:.2f}"
+            lines.append(
+                f"| {name} | {target} | {med.tokens_per_s:.0f} ({each}) | {ratio:.2f} | {med.mean_ttft_ms:.0f} | "
+                f"{med.p99_ttft_ms:.0f} | {med.mean_tpot_ms:.1f} | {sum(r.preemptions for r in runs):.0f} | {hit} | "
+                f"{sum(r.failed for r in runs)} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="repeatable; default all")
+    parser.add_argument("--policy", action="append", choices=["strict", "adaptive"], help="default both")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per cell, taken in turns (3)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    args = parser.parse_args(argv)
+    names = args.workload or list(WORKLOADS)
+    policies = args.policy or ["strict", "adaptive"]
+    logs = Path(tempfile.mkdtemp(prefix="prefix-bench-"))
+    print(f"prefix: logs in {logs}", file=sys.stderr)
+    model = ensure_tiny_model(DEFAULT_MAX_MODEL_LEN)
+    vllm = vllm_server(model, logs / "vllm.log")
+    gateways: dict[str, ServerProcess] = {}
+    results: dict[str, dict[str, list[Run]]] = {n: {} for n in names}
+    targets = ["direct", *policies]
+    try:
+        vllm.start()
+        vllm.wait_ready(VLLM_READY_PATHS, 600)
+        version = get_json(f"{vllm.url}/version").get("version", "?")
+        for p in policies:
+            gateways[p] = gateway_server(vllm.url, logs / f"{p}.log", [*GATEWAY_ARGS, "--admission-policy", p])
+            gateways[p].start()
+            gateways[p].wait_ready(GATEWAY_READY_PATHS, 120)
+        for rep in range(args.repeat):
+            for i, name in enumerate(names):
+                # Rotate the order each round: the first run of a round is not always the same target.
+                order = targets[rep % len(targets):] + targets[: rep % len(targets)]
+                for j, target in enumerate(order):
+                    base = vllm.url if target == "direct" else gateways[target].url
+                    seed = 1000 * rep + 10 * i + j
+                    run = measure(vllm, WORKLOADS[name], base, model, seed)
+                    results[name].setdefault(target, []).append(run)
+                    print(f"prefix: run {rep + 1} {name} {target}: {run}", file=sys.stderr)
+    finally:
+        for g in gateways.values():
+            g.stop()
+        vllm.stop()
+    report = (f"vLLM {version} (CPU build), prefix caching on, 32-block KV cache; {args.repeat} runs per cell in "
+              f"turns; command: `.venv/bin/python bench/prefix.py {' '.join(argv or sys.argv[1:])}`\n\n"
+              + table(results, targets))
+    print(report)
+    if args.out is not None:
+        args.out.write_text(report + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
