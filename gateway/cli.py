@@ -114,6 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         settings = parse_serve(argv, dict(os.environ))
+        if settings.keys_file:
+            from gateway.tenants import load_keys_file
+
+            load_keys_file(settings.keys_file)  # a bad keys file stops the start with its line and field
     except ValidationError as exc:
         for err in exc.errors():
             loc = ".".join(str(p) for p in err["loc"]) or "settings"

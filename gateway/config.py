@@ -13,16 +13,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.redact import redact_url, url_has_credentials
 
 ENV_PREFIX = "VLLM_GUARD_"
+MANAGED_HANG_TIMEOUT = 60.0  # --hang-timeout's default in managed mode, where a hang means a restart
+_BOOL = TypeAdapter(bool)
 
 PromptOverflowPolicy = Literal["reject", "truncate"]
 MaxTokensOverflowPolicy = Literal["clamp", "reject"]
 AdmissionPolicyName = Literal["strict", "adaptive"]
+PrefixSharing = Literal["auto", "on", "off"]
 # vLLM's routes that generate outside the guard's counting; --passthrough-route may name only these.
 GENERATING_ROUTES = (
     "/v1/messages", "/invocations", "/inference/v1/generate", "/v1/audio/transcriptions", "/v1/audio/translations",
@@ -86,6 +89,11 @@ class Settings(BaseSettings):
     admission_policy: AdmissionPolicyName = Field(
         "adaptive", description="strict: never commit past the ledger; adaptive: use live usage too."
     )
+    prefix_sharing: PrefixSharing = Field(
+        "auto",
+        description="Book prompt blocks shared by requests in flight once, as vLLM's prefix cache holds them: auto "
+        "(when the engine reports enable_prefix_caching), on, or off.",
+    )
     max_queue: int = Field(256, ge=0, description="Requests allowed to wait for capacity; more get 429.")
     queue_timeout: float = Field(
         30.0, gt=0, description="Seconds a request may wait in the queue before a 503."
@@ -95,6 +103,10 @@ class Settings(BaseSettings):
     )
     starvation_bound: int = Field(
         8, ge=0, description="How many smaller requests may pass a blocked larger one at the head of the queue."
+    )
+    fair_queueing: Literal["on", "off"] = Field(
+        "on", description="on: the queue serves tenants by weighted fair share of tokens served, priorities within "
+        "a tenant; off: one queue by priority, FIFO within a priority."
     )
     scrape_interval: float = Field(
         0.25, gt=0, description="Seconds between scrapes of the engine's /metrics."
@@ -112,6 +124,18 @@ class Settings(BaseSettings):
         default_factory=list, description="Key allowed to call admin endpoints such as POST /guard/restart."
     )
     upstream_api_key: str | None = Field(None, description="API key sent to the upstream vLLM.")
+
+    # -- tenants ----------------------------------------------------------------------------------
+    keys_file: str | None = Field(
+        None,
+        description="YAML or TOML file of tenants: their keys (plain or sha256:<hex>), weight, default priority and "
+        "limits (requests and tokens per minute, concurrent requests, KV share); re-read when it changes.",
+    )
+    redis_url: str | None = Field(
+        None,
+        description="Redis shared by gateway replicas for the tenants' limits (redis://host:6379/0); unreachable: "
+        "each replica enforces them alone until it is back.",
+    )
 
     # -- routes -----------------------------------------------------------------------------------
     passthrough_route: list[str] = Field(
@@ -222,7 +246,9 @@ class Settings(BaseSettings):
     )
     startup_timeout: float = Field(900.0, gt=0, description="Seconds the managed vLLM may take to be ready.")
     hang_timeout: float = Field(
-        60.0, gt=0, description="Seconds without generated tokens, while requests run, that count as a hang."
+        15.0, gt=0, description="Seconds without progress, while work runs, that count as a hang. Proxy mode: "
+        "the engine is refused and its requests cut until it moves again. Managed mode (default there "
+        f"{MANAGED_HANG_TIMEOUT:g}): seconds without generated tokens before the engine is restarted."
     )
     drain_timeout: float = Field(
         30.0, ge=0, description="Seconds in-flight requests may finish before a restart cuts them."
@@ -247,6 +273,19 @@ class Settings(BaseSettings):
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"upstream must be an http(s) URL, got {redact_url(v)!r}")
         return v.rstrip("/")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _managed_hang_timeout(cls, data: Any) -> Any:
+        # A restart costs minutes of serving, refusing a hung engine nothing: the managed bound stays longer.
+        if isinstance(data, dict) and "hang_timeout" not in data:
+            try:
+                managed = _BOOL.validate_python(data.get("managed", False))
+            except ValidationError:
+                return data  # the field's own validation reports it
+            if managed:
+                return {**data, "hang_timeout": MANAGED_HANG_TIMEOUT}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

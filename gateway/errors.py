@@ -111,6 +111,28 @@ class QueueFull(GatewayError):
     reason = "queue_full"
 
 
+class TenantRateLimited(GatewayError):
+    """A tenant over one of its limits (requests or tokens per minute, concurrent requests): 429 with the
+    ``Retry-After`` of the window. ``limit`` names the limit; ``reason`` counts the refusal under it."""
+
+    client_fault = True
+    code = "rate_limit_exceeded"
+    reason = "tenant_rate_limit"
+
+    def __init__(self, message: str, *, limit: str, **kw: Any) -> None:
+        super().__init__(message, **kw)
+        self.limit = limit
+        self.reason = f"tenant_{limit}"
+
+
+# -- configuration --------------------------------------------------------------------------------
+class ConfigInvalid(GatewayError, ValueError):
+    """A configuration file that cannot be used (the keys file): named with the line or field at fault, never
+    with a key's value. A ``ValueError`` too, so the command line reports it like a bad flag."""
+
+    code = "config_invalid"
+
+
 # -- our side or the upstream's -------------------------------------------------------------------
 class QueueTimeout(GatewayError):
     code = "queue_timeout"
@@ -122,6 +144,14 @@ class UpstreamUnavailable(GatewayError):
 
     code = "upstream_unavailable"
     reason = "upstream_unavailable"
+
+
+class UpstreamHung(UpstreamUnavailable):
+    """The engine makes no progress while work runs (its engine core frozen or stuck): nothing sent to it
+    would be answered, so requests are refused at once and those in flight are cut."""
+
+    code = "upstream_hung"
+    reason = "upstream_hung"
 
 
 class UpstreamTimeout(GatewayError):

@@ -98,6 +98,23 @@ class Metrics:
         self.kv_admit_limit = Gauge(
             "vllm_guard_kv_admit_limit_blocks", "Current admission limit of the policy, in blocks.", registry=r
         )
+        self.kv_logical = Gauge(
+            "vllm_guard_kv_logical_committed_blocks",
+            "Blocks the admitted requests would hold without prefix sharing (each its whole prompt).", registry=r,
+        )
+        self.kv_shared = Gauge(
+            "vllm_guard_kv_shared_blocks", "Prompt blocks held by admitted requests, each counted once.", registry=r
+        )
+        self.foreign_sequences = Gauge(
+            "vllm_guard_engine_foreign_sequences",
+            "Sequences the engine runs or queues beyond the gateway's own (traffic that bypasses the gateway).",
+            registry=r,
+        )
+        self.foreign_preemptions = Counter(
+            "vllm_guard_engine_foreign_preemptions",
+            "Engine preemptions seen while traffic that bypasses the gateway ran (not held against admission).",
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "vllm_guard_queue_depth", "Requests waiting for capacity, by priority.", ["priority"], registry=r
         )
@@ -132,6 +149,61 @@ class Metrics:
         )
         self.startup_seconds = Gauge(
             "vllm_guard_engine_startup_seconds", "Time the last (re)start of the managed engine took.",
+            registry=r,
+        )
+        # -- hung engines (gateway/engine/progress.py) --------------------------------------------
+        self.engine_hung = Gauge(
+            "vllm_guard_engine_hung", "1 while the engine makes no progress though work runs (refused, 503).",
+            registry=r,
+        )
+        self.engine_hangs = Counter(
+            "vllm_guard_engine_hangs_total", "Times the engine was declared hung.", registry=r
+        )
+        # -- what an inference gateway's endpoint picker reads (docs/scale-out.md) ----------------
+        self.pool_queued = Gauge(
+            "vllm_guard_pool_queued_requests",
+            "Requests waiting: in the engine's own queue plus in the gateway's (the picker's queue depth).",
+            registry=r,
+        )
+        self.pool_running = Gauge(
+            "vllm_guard_pool_running_requests",
+            "Requests the engine runs (the gateway's in flight when the engine's metrics are stale).", registry=r,
+        )
+        self.pool_kv_usage = Gauge(
+            "vllm_guard_pool_kv_usage_ratio",
+            "KV cache in use, 0..1: the larger of the engine's live usage and the gateway's reservations.",
+            registry=r,
+        )
+        self.cache_config_info = Gauge(
+            "vllm_guard_cache_config_info", "1, labelled with the engine's KV block size and blocks, as "
+            "vllm:cache_config_info.", ["block_size", "num_gpu_blocks"], registry=r,
+        )
+        # -- tenants (label values: the keys file's tenants and "default" only) -------------------
+        self.tenant_requests = Counter(
+            "vllm_guard_tenant_requests_total", "Requests served, by tenant.", ["tenant"], registry=r
+        )
+        self.tenant_prompt_tokens = Counter(
+            "vllm_guard_tenant_prompt_tokens_total", "Prompt tokens of served requests, by tenant.", ["tenant"],
+            registry=r,
+        )
+        self.tenant_completion_tokens = Counter(
+            "vllm_guard_tenant_completion_tokens_total", "Tokens generated for served requests, by tenant.",
+            ["tenant"], registry=r,
+        )
+        self.tenant_queue_seconds = Counter(
+            "vllm_guard_tenant_queue_seconds_total", "Time served requests waited for admission, by tenant.",
+            ["tenant"], registry=r,
+        )
+        self.tenant_rejections = Counter(
+            "vllm_guard_tenant_rejections_total", "Requests refused, by tenant and reason.", ["tenant", "reason"],
+            registry=r,
+        )
+        self.tenant_limits_degraded = Gauge(
+            "vllm_guard_tenant_limits_degraded",
+            "1 while Redis (--redis-url) is unreachable and each replica enforces tenant limits alone.", registry=r,
+        )
+        self.keys_reloads = Counter(
+            "vllm_guard_keys_file_reloads_total", "Reloads of the keys file, by outcome (ok, error).", ["outcome"],
             registry=r,
         )
         # -- recent values for the live page (not collectors) -------------------------------------
@@ -182,6 +254,15 @@ class Metrics:
             self.kv_live_used.set(live_used)
         self.kv_admit_limit.set(admit_limit)
 
+    def record_sharing(self, *, logical: int, shared: int) -> None:
+        self.kv_logical.set(logical)
+        self.kv_shared.set(shared)
+
+    def record_foreign(self, sequences: int, preemptions: float) -> None:
+        self.foreign_sequences.set(sequences)
+        if preemptions > 0:
+            self.foreign_preemptions.inc(preemptions)
+
     def record_queue_depth(self, depth_by_priority: dict[int, int]) -> None:
         self.queue_depth.clear()
         for prio, depth in depth_by_priority.items():
@@ -215,6 +296,35 @@ class Metrics:
         self.restarts.labels(reason).inc()
         if startup_seconds is not None:
             self.startup_seconds.set(startup_seconds)
+
+    def record_engine_hung(self, hung: bool) -> None:
+        self.engine_hung.set(1 if hung else 0)
+        if hung:
+            self.engine_hangs.inc()
+
+    def record_pool(
+        self, *, queued: int, running: int, kv_usage: float, block_size: int, num_gpu_blocks: int | None
+    ) -> None:
+        self.pool_queued.set(queued)
+        self.pool_running.set(running)
+        self.pool_kv_usage.set(kv_usage)
+        self.cache_config_info.clear()  # one series: the capacity as it is now
+        self.cache_config_info.labels(str(block_size), "" if num_gpu_blocks is None else str(num_gpu_blocks)).set(1)
+
+    def record_tenant_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int, queued: float) -> None:
+        self.tenant_requests.labels(tenant).inc()
+        self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
+        self.tenant_completion_tokens.labels(tenant).inc(completion_tokens)
+        self.tenant_queue_seconds.labels(tenant).inc(queued)
+
+    def record_tenant_rejection(self, tenant: str, reason: str) -> None:
+        self.tenant_rejections.labels(tenant, reason).inc()
+
+    def record_tenant_limits_degraded(self, degraded: bool) -> None:
+        self.tenant_limits_degraded.set(1 if degraded else 0)
+
+    def record_keys_reload(self, ok: bool) -> None:
+        self.keys_reloads.labels("ok" if ok else "error").inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -14,6 +14,9 @@ cd "$ROOT"
 # Prometheus and promtool for the deployment checks (Debian's package); where they cannot be installed,
 # those tests say so and skip.
 "$ROOT/scripts/install-prometheus.sh" || echo "test: Prometheus could not be installed; its checks will skip" >&2
+# redis-server for the tenant limits shared by replicas (Debian's package); where it cannot be installed,
+# those tests say so and skip.
+"$ROOT/scripts/install-redis.sh" || echo "test: redis-server could not be installed; the Redis tests will skip" >&2
 # Chromium for the live page's browser test (Debian's package); where it cannot be installed, that test skips.
 "$ROOT/scripts/install-chromium.sh" || echo "test: Chromium could not be installed; the browser test will skip" >&2
 

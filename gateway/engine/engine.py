@@ -1,7 +1,8 @@
 """``Engine``: the one place the gateway's knowledge of one vLLM engine lives.
 
 An engine is where it is (its URL), the one HTTP client that talks to it, the models it serves and their
-context length, and the live view of its metrics (the latest snapshot, hence its KV capacity and usage).
+context length, the live view of its metrics (the latest snapshot, hence its KV capacity and usage), and
+whether it makes progress while work runs (``progress``).
 Nothing here is global: several engines exist side by side, each with its own client and view. The KV ledger
 booked against an engine is kept by the ``Admission`` built for it, one layer up (admission reads this
 package, never the other way round).
@@ -9,12 +10,13 @@ package, never the other way round).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from gateway.engine.client import Upstream
 from gateway.engine.live import EngineSnapshot, EngineView
 from gateway.engine.models import ServedModels
+from gateway.engine.progress import ProgressDetector
 
 ModelsT = TypeVar("ModelsT", bound=ServedModels)
 
@@ -27,6 +29,8 @@ class Engine(Generic[ModelsT]):
     client: Upstream
     models: ModelsT
     view: EngineView
+    # Whether it makes progress while work runs (hung or not); judged only once started (proxy mode).
+    progress: ProgressDetector = field(default_factory=ProgressDetector)
 
     @property
     def url(self) -> str:

@@ -14,7 +14,7 @@ from gateway.admission import Reservation
 from gateway.engine.client import UpstreamStream, decoder_for
 from gateway.engine.sse import SSEFramer, counts_as_token
 from gateway.engine.vllm_api import upstream_error_from
-from gateway.errors import BadUpstreamResponse, GatewayError
+from gateway.errors import BadUpstreamResponse, GatewayError, UpstreamHung
 from gateway.guard.parts import Parts
 
 log = logging.getLogger(__name__)
@@ -24,12 +24,16 @@ async def open_upstream(parts: Parts, path: str, body: bytes, rid: str) -> Upstr
     """The upstream's answer once its status is 200 (its error, normalised, otherwise); counted in flight
     until closed by the caller."""
     parts.metrics.in_flight.inc()
+    progress = parts.engine.progress
+    progress.opened()
     try:
-        stream = await parts.engine.client.open(
-            "POST", path, body=body, headers={"content-type": "application/json", "x-request-id": rid}
-        )
+        with progress.interruptible():  # refused while the engine is hung, cut if it hangs meanwhile
+            stream = await parts.engine.client.open(
+                "POST", path, body=body, headers={"content-type": "application/json", "x-request-id": rid}
+            )
     except BaseException:
         parts.metrics.in_flight.dec()
+        progress.closed()
         raise
     if stream.status != 200:
         try:
@@ -43,6 +47,7 @@ async def open_upstream(parts: Parts, path: str, body: bytes, rid: str) -> Upstr
 def close(parts: Parts, stream: UpstreamStream) -> None:
     stream.close()
     parts.metrics.in_flight.dec()
+    parts.engine.progress.closed()
 
 
 async def read_answer(parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation | None) -> bytes:
@@ -50,7 +55,8 @@ async def read_answer(parts: Parts, route: str, stream: UpstreamStream, reservat
     None: the route generates nothing, like the pooling routes)."""
     t0 = time.perf_counter()
     try:
-        payload = await stream.read_all()
+        with parts.engine.progress.interruptible():
+            payload = await stream.read_all()
     finally:
         close(parts, stream)
     parts.metrics.record_upstream_latency(route, time.perf_counter() - t0)
@@ -91,14 +97,19 @@ class EngineStream:
         self.t0 = time.perf_counter()
         self.outcome = "cancelled"  # until the stream ends or breaks
         self._done = False
+        # A hung engine sends nothing more: the detector closes the stream, and its break is told as the hang.
+        self._hang: UpstreamHung | None = None
+        self._watch = parts.engine.progress.watch(self._cut)
 
     async def events(self) -> AsyncGenerator[bytes, None]:
         framer = SSEFramer(self.parts.settings.max_stream_event_bytes)
         decoder = decoder_for(self.stream.headers)  # an upstream that compressed though asked not to
         tokens = 0
         first = True
+        progress = self.parts.engine.progress
         try:
             async for chunk in self.stream.chunks():
+                progress.stream_moved()
                 events = framer.feed(decoder.decode(chunk, framer.limit) if decoder is not None else chunk)
                 if not events:
                     continue
@@ -116,8 +127,14 @@ class EngineStream:
             self.outcome = "ok"
         except GatewayError as exc:
             self.outcome = "error"
+            if self._hang is not None:
+                raise self._hang from exc
             log.warning("stream cut by the upstream: %s", exc.message)
             raise
+
+    def _cut(self, hang: UpstreamHung) -> None:
+        self._hang = hang
+        self.stream.close()  # the read in progress ends with a break, told as the hang
 
     def finish(self) -> None:
         """Synchronous on purpose: this also runs in a task cancelled because its client went away. A cut
@@ -125,6 +142,7 @@ class EngineStream:
         if self._done:
             return
         self._done = True
+        self.parts.engine.progress.unwatch(self._watch)
         close(self.parts, self.stream)
         self.reservation.release(completed=self.outcome == "ok")
         self.parts.metrics.record_upstream_latency(self.route, time.perf_counter() - self.t0)

@@ -11,6 +11,7 @@ from gateway.engine.engine import Engine
 from gateway.guard.models import Models
 from gateway.metrics import Metrics
 from gateway.observe.history import Sampler
+from gateway.tenants import Tenants
 
 if TYPE_CHECKING:  # imported only in managed mode: it loads the GPU and process tooling
     from gateway.managed.supervisor import Supervisor
@@ -27,6 +28,7 @@ class Parts:
     admission: Admission
     supervisor: Supervisor | None = None  # managed mode only
     sampler: Sampler | None = None  # the live page's history (/guard/ui)
+    tenants: Tenants | None = None  # keys -> tenants, their limits and usage
 
     @property
     def models(self) -> Models:
@@ -42,6 +44,7 @@ class Outcome:
     max_tokens: int = 0
     truncated_tokens: int = 0
     queue_ms: float = 0.0
+    ratelimit: dict[str, str] | None = None  # the tenant's x-ratelimit-* headers, when it has per-minute limits
 
     def headers(self) -> dict[str, str]:
         h = {
@@ -52,5 +55,7 @@ class Outcome:
         }
         if self.truncated_tokens:
             h["x-guard-truncated-tokens"] = str(self.truncated_tokens)
+        if self.ratelimit:
+            h.update(self.ratelimit)
         return h
 

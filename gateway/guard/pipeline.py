@@ -3,7 +3,8 @@
 ``handle`` is the whole life of one request after the HTTP layer has read it:
 
     parse -> refuse while the engine starts -> engine limits -> plan (count, prompt policy, output policy,
-    KV fit) -> admit (reserve, or queue, or shed) -> exchange (forward, or stream) -> release
+    KV fit) -> tenant limits -> admit (reserve, or queue, or shed) -> exchange (forward, or stream) -> release
+    (and settle the tenant's charge)
 
 It is an async generator that yields one ``Reply``: a whole JSON body, or the head of a stream with its events
 to read. The reservation is held by an ``async with`` around the exchange, and the generator stays suspended
@@ -28,9 +29,11 @@ from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
 from gateway.guard.policy import Limits, effective_max_model_len
 from gateway.guard.pooling import PoolingRequest
+from gateway.guard.prefixes import prompt_prefix
 from gateway.guard.protocol import GuardedRequest, parse_chat, parse_completion, parse_responses
 from gateway.managed.lifecycle import EngineLifecycle
 from gateway.managed.logfacts import engine_death_reply
+from gateway.tenants import Grant
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
     try:
         req = parse(ctx.route, ctx.body)
         refuse_while_starting(parts)
+        parts.engine.progress.refuse_if_hung()  # 503 upstream_hung at once (gateway/engine/progress.py)
         limits, engine_max_model_len = await engine_limits(parts, req)
         if isinstance(req, PoolingRequest):
             booking = await planning.plan_pooling(
@@ -55,13 +59,19 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
             )
         else:
             booking = await planning.plan_generation(parts, req, limits, ctx.prompt_policy, ctx.outcome)
+        grant = await check_tenant_limits(parts, ctx, booking)
         body = jsonio.dumps(req.body)
-        async for piece in admit_and_exchange(parts, ctx, body, booking):
-            answered = True
-            yield piece
+        try:
+            async for piece in admit_and_exchange(parts, ctx, body, booking, grant):
+                answered = True
+                yield piece
+        finally:
+            grant.settle(ctx.outcome.queue_ms)  # the tenant is charged what the request really used
     except GatewayError as exc:
         if not answered:
             record_refusal(parts, ctx.route, exc)
+            if parts.tenants is not None and exc.reason is not None:
+                parts.tenants.usage.rejected(ctx.tenant, exc.reason)
         raise
 
 
@@ -81,8 +91,21 @@ async def engine_limits(parts: Parts, req: GuardedRequest | PoolingRequest) -> t
     return Limits(limit, s.max_prompt_tokens, s.max_output_tokens, s.min_output_tokens), info.max_model_len
 
 
+async def check_tenant_limits(parts: Parts, ctx: RequestContext, booking: Booking) -> Grant:
+    """Charge the request to its tenant's windows (its prompt tokens as counted + the max_tokens booked for
+    each sequence; 429 over a limit), and report where the tenant stands in OpenAI's x-ratelimit-* headers."""
+    if parts.tenants is None:
+        return Grant.unlimited()
+    grant = await parts.tenants.check(
+        ctx.tenant, prompt_tokens=ctx.outcome.prompt_tokens, output_tokens=booking.max_tokens * booking.n
+    )
+    ctx.outcome.ratelimit = grant.headers
+    grant.raise_if_refused()
+    return grant
+
+
 async def admit_and_exchange(
-    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking
+    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, grant: Grant
 ) -> AsyncGenerator[Reply, None]:
     """Hold a reservation (waiting in the queue if need be) for the exchange with the engine. A managed engine
     that dies under the request before anything reached the client gets it once more after its restart."""
@@ -90,11 +113,13 @@ async def admit_and_exchange(
     for attempt in (1, 2):
         reservation = parts.admission.reservation(
             prompt_tokens=booking.prompt_tokens, max_tokens=booking.max_tokens, n=booking.n,
-            priority=ctx.priority, request_id=ctx.request_id,
+            priority=ctx.priority, request_id=ctx.request_id, tenant=ctx.tenant, weight=ctx.tenant_weight,
+            prefix=prompt_prefix(ctx.route, ctx.body, booking.prompt_ids),
         )
         try:
-            async with reservation:  # may wait in the queue, or shed with QueueFull / QueueTimeout
-                ctx.outcome.queue_ms += reservation.queue_ms
+            # May wait for the tenant's KV share and in the queue, or shed with QueueFull / QueueTimeout.
+            async with grant.admit(reservation, parts.admission.budget_blocks) as waited_ms:
+                ctx.outcome.queue_ms += waited_ms
                 async for piece in exchange_with_engine(parts, ctx, body, booking, reservation):
                     answered = True
                     yield piece

@@ -16,6 +16,7 @@ from gateway.config import Settings
 from gateway.engine.client import Upstream
 from gateway.engine.engine import Engine
 from gateway.engine.live import EngineSnapshot, EngineView
+from gateway.engine.progress import ProgressDetector, completion_probe
 from gateway.errors import GatewayError
 from gateway.guard.models import Models
 from gateway.guard.parts import Parts
@@ -25,6 +26,7 @@ from gateway.managed.tasks import OwnedTasks
 from gateway.metrics import Metrics
 from gateway.observe.history import History, Sampler
 from gateway.redact import redact_url
+from gateway.tenants import Tenants
 
 if TYPE_CHECKING:
     from gateway.managed.supervisor import Supervisor
@@ -38,7 +40,8 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
     engine = await build_engine(settings, metrics, stack, supervisor)
     admission = Admission(settings, engine.view, metrics)
     stack.push_async_callback(admission.close)
-    parts = Parts(settings, metrics, engine, admission, supervisor)
+    tenants = await build_tenants(settings, metrics, stack)
+    parts = Parts(settings, metrics, engine, admission, supervisor, tenants=tenants)
     if supervisor is not None:
         supervisor.admission = admission
         supervisor.engine = engine.view
@@ -49,6 +52,9 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
         stack.push_async_callback(managing.close)
     else:
         await _read_models_once(settings, engine.models)
+        # Proxy mode only: a managed engine's hang is the supervisor's watchdog's, cured by a restart.
+        await engine.progress.start()
+        stack.push_async_callback(engine.progress.stop)
     await engine.view.start()
     stack.push_async_callback(engine.view.stop)
     # The live page's history: one sample a second in the background, nothing on the request path.
@@ -86,7 +92,23 @@ async def build_engine(
         view.on_snapshot(on_snapshot)
     # An engine back from an outage may serve another context length (a restart, an auto-fit).
     view.on_snapshot(models.follow)
-    return Engine(client, models, view)
+    progress = ProgressDetector(settings.hang_timeout, metrics=metrics)
+    progress.probe = lambda timeout: completion_probe(client, _served_model(models), timeout)
+    view.on_snapshot(progress.observe)
+    return Engine(client, models, view, progress)
+
+
+def _served_model(models: Models) -> str | None:
+    listing = models.cached
+    return listing.ids[0] if listing is not None and listing.ids else None
+
+
+async def build_tenants(settings: Settings, metrics: Metrics, stack: contextlib.AsyncExitStack) -> Tenants:
+    """The keys file (its reload task) and the tenants' limits (the Redis client), closed on shutdown."""
+    tenants = Tenants(settings, metrics)
+    await tenants.start()
+    stack.push_async_callback(tenants.close)
+    return tenants
 
 
 def _supervisor(settings: Settings, metrics: Metrics) -> Supervisor | None:

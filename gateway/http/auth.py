@@ -3,6 +3,9 @@
 - Client routes (the OpenAI API, pass-through, ``/guard/status``) are open while no ``--api-key`` is set;
   once one is, they take any client key or admin key.
 - Admin routes (``POST /guard/restart``) take only an ``--admin-api-key``, and are refused while none is set.
+- The keys file's keys (``--keys-file``) are client keys too, each naming its tenant; every other caller is
+  the tenant ``default``. The file is re-read while the app runs, so its keys come from the app's tenants
+  component rather than from the (frozen) settings.
 
 Keys are compared in constant time: the presented key is checked against every accepted key with
 ``hmac.compare_digest`` on SHA-256 digests (equal lengths, so not even a key's length leaks), with no early exit.
@@ -19,6 +22,7 @@ from starlette.requests import Request
 
 from gateway.config import Settings
 from gateway.errors import AuthenticationFailed
+from gateway.tenants import DEFAULT_TENANT, Tenant, Tenants
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,15 +33,35 @@ class Keyring:
     admin: tuple[tuple[bytes, str], ...]
 
 
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who sent a request: ``key``, the ``--api-key``/``--admin-api-key`` it presented (None for a keys-file key
+    and on an open route), and its tenant (the keys file's, else ``default``)."""
+
+    key: str | None
+    tenant: Tenant | None = None
+
+    @property
+    def tenant_name(self) -> str:
+        return self.tenant.name if self.tenant is not None else DEFAULT_TENANT
+
+
 def authenticate(settings: Settings, request: Request, *, admin: bool = False) -> str | None:
     """The key the request presented when the route needs one (None on an open route); 401 otherwise."""
+    return identify(settings, request, admin=admin).key
+
+
+def identify(settings: Settings, request: Request, *, admin: bool = False) -> Caller:
+    """The caller, when the route needs a key (an anonymous caller on an open route); 401 otherwise."""
     ring = keyring(tuple(settings.key_priorities()), tuple(settings.admin_api_key))
+    tenants = None if admin else tenants_of(request)
+    file_keys = tenants is not None and tenants.directory.has_keys
     if admin:
         if not ring.admin:
             raise AuthenticationFailed("This endpoint needs an admin key (--admin-api-key), and none is configured.")
         accepted = ring.admin
-    elif not ring.client:
-        return None  # no client keys: client routes are open, whether or not an admin key is set
+    elif not ring.client and not file_keys:
+        return Caller(None, unnamed(tenants))  # no client keys: client routes are open, admin key or not
     else:
         accepted = ring.client + ring.admin
     token = presented_key(request)
@@ -46,10 +70,25 @@ def authenticate(settings: Settings, request: Request, *, admin: bool = False) -
             "Missing admin key: send 'Authorization: Bearer <admin key>'." if admin
             else "Missing API key: send 'Authorization: Bearer <key>'."
         )
-    found = match(token, accepted)
-    if found is None:
+    digest = token_digest(token)
+    found = match_digest(digest, accepted)
+    tenant = tenants.identify(digest) if tenants is not None else None
+    if found is None and tenant is None:
         raise AuthenticationFailed("Incorrect admin key provided." if admin else "Incorrect API key provided.")
-    return found
+    return Caller(None, tenant) if tenant is not None else Caller(found, unnamed(tenants))
+
+
+def unnamed(tenants: Tenants | None) -> Tenant | None:
+    """The tenant of callers the keys file does not name: ``default`` (limited when the file lists it)."""
+    return tenants.tenant(DEFAULT_TENANT) if tenants is not None else None
+
+
+def tenants_of(request: Request) -> Tenants | None:
+    """The app's tenants component, once the app has started (None before, and without an app)."""
+    app = request.scope.get("app")
+    parts = getattr(getattr(app, "state", None), "parts", None)
+    tenants = getattr(parts, "tenants", None)
+    return tenants if isinstance(tenants, Tenants) else None
 
 
 def presented_key(request: Request) -> str:
@@ -62,8 +101,15 @@ def presented_key(request: Request) -> str:
 
 def match(token: str, accepted: tuple[tuple[bytes, str], ...]) -> str | None:
     """The accepted key equal to ``token``, comparing with every one of them whatever the outcome."""
+    return match_digest(token_digest(token), accepted)
+
+
+def token_digest(token: str) -> bytes:
     # Starlette decodes header bytes as latin-1: encoding back gives the bytes the client sent.
-    digest = hashlib.sha256(token.encode("latin-1", "replace")).digest()
+    return hashlib.sha256(token.encode("latin-1", "replace")).digest()
+
+
+def match_digest(digest: bytes, accepted: tuple[tuple[bytes, str], ...]) -> str | None:
     found: str | None = None
     for key_digest, key in accepted:
         if hmac.compare_digest(digest, key_digest):

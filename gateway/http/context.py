@@ -13,7 +13,7 @@ from gateway.config import PromptOverflowPolicy, Settings
 from gateway.errors import InvalidRequest
 from gateway.guard.context import RequestContext
 from gateway.guard.protocol import decode_json
-from gateway.http.auth import authenticate
+from gateway.http.auth import Caller, identify
 from gateway.http.body import BodyLimits, read_body
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -25,11 +25,12 @@ _ID_COUNTER = itertools.count(1)
 
 
 async def read_context(settings: Settings, request: Request, rid: str, route: str, path: str) -> RequestContext:
-    key = authenticate(settings, request)
+    caller = identify(settings, request)
     body = decode_json(await read_body(request, BodyLimits.of(settings)))
     return RequestContext(
-        rid, route, path, body, priority=priority(settings, request, key),
-        prompt_policy=prompt_policy(request, settings),
+        rid, route, path, body, priority=priority(settings, request, caller.key, caller_priority(caller)),
+        prompt_policy=prompt_policy(request, settings), tenant=caller.tenant_name,
+        tenant_weight=caller.tenant.weight if caller.tenant is not None else 1.0,
     )
 
 
@@ -43,10 +44,16 @@ def request_id(request: Request) -> str:
     return rid
 
 
-def priority(settings: Settings, request: Request, key: str | None) -> int:
+def caller_priority(caller: Caller) -> int:
+    """The default priority of a keys-file caller's tenant (``--api-key`` keys carry their own)."""
+    return caller.tenant.priority if caller.tenant is not None else 0
+
+
+def priority(settings: Settings, request: Request, key: str | None, default: int = 0) -> int:
+    """The ``x-guard-priority`` header, else the ``--api-key``'s priority, else ``default``."""
     raw = request.headers.get("x-guard-priority")
     if raw is None:
-        return settings.key_priorities().get(key, 0) if key else 0
+        return settings.key_priorities().get(key, default) if key else default
     try:
         return int(raw)
     except ValueError:

@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from gateway.errors import InvalidRequest
 from gateway.guard.parts import Parts
-from gateway.guard.status import upstream_status
+from gateway.guard.status import publish_pool_metrics, upstream_status
 from gateway.http import passthrough, ui
 from gateway.http.auth import authenticate
 from gateway.http.routes import RouteTable
@@ -34,6 +34,7 @@ async def list_models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """The readiness route: 503 unless the engine is ready (starting, restarting, draining, down, or hung)."""
     up = upstream_status(parts_of(request))
     ready = up["state"] == "ready"
     body = {"status": "ok" if ready else "unavailable", "gateway": "ok", "upstream": up}
@@ -43,6 +44,7 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     parts = parts_of(request)
     parts.admission.publish()  # the gauges that move with time (freshness, live usage), as of this read
+    publish_pool_metrics(parts)
     data, ctype = parts.metrics.render()
     return Response(data, media_type=ctype)
 
@@ -64,6 +66,13 @@ async def restart(request: Request) -> Response:
         raise InvalidRequest("Restart needs managed mode (--managed); this gateway guards an external engine.")
     parts.supervisor.request_restart("manual")
     return json({"restarting": True}, 202)
+
+
+async def usage(request: Request) -> Response:
+    """Each tenant's usage, for billing (admin key): by tenant name, never by key."""
+    parts = parts_of(request)
+    authenticate(parts.settings, request, admin=True)
+    return json(parts.tenants.report() if parts.tenants is not None else {"tenants": {}})
 
 
 def live_page() -> Handler:
@@ -90,7 +99,7 @@ def forwarding(path: str) -> Handler:
 def add_routes(app: FastAPI, table: RouteTable) -> None:
     handlers: dict[str, Handler] = {
         "models": list_models, "health": health, "metrics": metrics, "status": status, "restart": restart,
-        "ui": live_page(), "ui_data": live_data,
+        "usage": usage, "ui": live_page(), "ui_data": live_data,
     }
     for route in table.routes():
         if route.kind == "gateway":

@@ -21,10 +21,11 @@ ALLOWED: dict[str, set[str]] = {
     "tools": {"base", "engine", "tools"},
     "admission": {"base", "engine", "admission"},
     "managed": {"base", "engine", "managed"},
+    "tenants": {"base", "tenants"},
     "observe": {"base", "engine", "admission", "managed", "observe"},
-    "guard": {"base", "engine", "admission", "managed", "observe", "guard"},
-    "http": {"base", "engine", "admission", "managed", "observe", "guard", "http"},
-    "cli": {"base", "engine", "admission", "managed", "observe", "guard", "http", "tools", "cli"},
+    "guard": {"base", "engine", "admission", "managed", "observe", "tenants", "guard"},
+    "http": {"base", "engine", "admission", "managed", "observe", "tenants", "guard", "http"},
+    "cli": {"base", "engine", "admission", "managed", "observe", "tenants", "guard", "http", "tools", "cli"},
 }
 WEB_FRAMEWORKS = ("starlette", "fastapi", "uvicorn")
 MAX_MODULE_LINES = 400
