@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Prometheus and promtool (Debian's `prometheus` package) for the deployment checks in
-# tests/test_deploy*.py. Idempotent: does nothing when both binaries are already on PATH.
+# tests/deploy/. Idempotent: does nothing when both binaries are already on PATH.
 # The package's service is never started here: the tests run their own Prometheus on 127.0.0.1.
 set -euo pipefail
 
@@ -9,33 +9,5 @@ if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1;
     exit 0
 fi
 
-if ! command -v apt-get >/dev/null 2>&1; then
-    echo "install-prometheus: no apt-get here; install Prometheus (promtool) by other means" >&2
-    exit 1
-fi
-
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then
-    SUDO="sudo"
-fi
-
-# policy-rc.d exit 101 stops the package's post-install step from starting a system-wide daemon.
-policy=/usr/sbin/policy-rc.d
-created_policy=0
-if [ ! -e "$policy" ]; then
-    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$policy" >/dev/null
-    $SUDO chmod 755 "$policy"
-    created_policy=1
-fi
-cleanup() {
-    if [ "$created_policy" -eq 1 ]; then
-        $SUDO rm -f "$policy"
-    fi
-}
-trap cleanup EXIT
-
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
-
+"$(dirname "${BASH_SOURCE[0]}")/apt-install-quiet.sh" prometheus
 promtool --version 2>&1 | head -n1
