@@ -136,8 +136,7 @@ class Admission:
         self._paused = False
         self._pump()
 
-    def tick(self) -> None:
-        """Expire queued requests whose deadline has passed and re-examine the queue."""
+    def tick(self) -> None:  # expire queued requests whose deadline passed, and re-examine the queue
         self._pump()
 
     async def wait_idle(self, timeout: float) -> bool:
@@ -208,6 +207,7 @@ class Admission:
         """Admit ``r`` now, or queue it and return once it is admitted (``Reservation.__aenter__``)."""
         if r.phase is not Phase.NEW:
             raise RuntimeError(f"reservation {r.request_id} was already entered or released")
+        await r.prepare(self._block_size, self._sharing)  # a long prompt's block keys, hashed off the loop
         cap = self._capacity()
         r.recount(self._block_size, self._sharing)
         if cap is not None and r.alone_blocks > self._kv.budget(cap):

@@ -8,7 +8,7 @@ import pytest
 
 from gateway import errors
 from gateway.admission import Reservation
-from gateway.admission.prefix import PromptPrefix
+from gateway.admission.prefix import PromptPrefix, block_keys
 from tests.unit.admission.rig import BS, Rig, enter, release_all, settle
 
 PREFIX = list(range(3, 163))  # 160 tokens: 10 full blocks of 16
@@ -128,4 +128,18 @@ async def test_traffic_that_bypasses_the_gateway_is_shown_and_its_preemptions_ke
     await rig.scrape(0.9, preemptions=5, blocks=40, running=2)  # only the gateway's own: its preemptions count
     assert rig.adm.optimism == 0.5
     mine.release()
+    rig.assert_drained()
+
+
+async def test_a_long_prompts_keys_are_hashed_off_the_loop_and_book_the_same() -> None:
+    rig = Rig(kv_blocks=4000, block_size=BS, admission_policy="strict", prefix_sharing="on")
+    ids = [(i * 31) % 500 for i in range(8192)]
+    first = rig.adm.reservation(prompt_tokens=8192, max_tokens=16, n=1, priority=0, request_id="long-1",
+                                prefix=PromptPrefix(ids, "m\0"))
+    async with first:  # entering hashes its 511 keys in a worker thread
+        assert first.keys == block_keys(PromptPrefix(ids, "m\0"), BS)
+        second = await req(rig, PromptPrefix(ids[:4000] + [1] * 10, "m\0")).__aenter__()
+        assert len(first.keys) == 511 and first.blocks == 511 + 2
+        assert second.prefix_blocks == 0  # its 249 shareable blocks are among the long prompt's
+        second.release()
     rig.assert_drained()
