@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from gateway.admission.prefix import PromptPrefix
 from gateway.config import PromptOverflowPolicy
 from gateway.guard.parts import Outcome
 
@@ -58,3 +59,4 @@ class Booking:
     stream: bool = False
     learns_output: bool = True
     prompt_ids: tuple[int, ...] | None = None
+    prefix: PromptPrefix | None = None  # what of the prompt admission may book as shared (``prefixes``)

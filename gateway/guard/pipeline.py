@@ -29,7 +29,6 @@ from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
 from gateway.guard.policy import Limits, effective_max_model_len
 from gateway.guard.pooling import PoolingRequest
-from gateway.guard.prefixes import prompt_prefix
 from gateway.guard.protocol import GuardedRequest, parse_chat, parse_completion, parse_responses
 from gateway.managed.lifecycle import EngineLifecycle
 from gateway.managed.logfacts import engine_death_reply
@@ -114,7 +113,7 @@ async def admit_and_exchange(
         reservation = parts.admission.reservation(
             prompt_tokens=booking.prompt_tokens, max_tokens=booking.max_tokens, n=booking.n,
             priority=ctx.priority, request_id=ctx.request_id, tenant=ctx.tenant, weight=ctx.tenant_weight,
-            prefix=prompt_prefix(ctx.route, ctx.body, booking.prompt_ids),
+            prefix=booking.prefix,
         )
         try:
             # May wait for the tenant's KV share and in the queue, or shed with QueueFull / QueueTimeout.

@@ -37,16 +37,17 @@ async def plan_generation(
     decision = decide_output(req, max(counts), limits, s)
     sequences = req.n * len(counts)
     prompt_ids = tokens[0].ids if len(tokens) == 1 else None
+    prefix = prompt_prefix(req.route, req.body, prompt_ids)
     # Each sequence is charged for the longest prompt: an upper bound that stays tight. With prefix sharing the
     # n sequences of one known prompt hold its shareable blocks once.
     max_tokens = parts.admission.fit(
         max(counts), decision.max_tokens, sequences, clamp=s.on_max_tokens_overflow == "clamp",
-        prefix_known=prompt_prefix(req.route, req.body, prompt_ids) is not None,
+        prefix_known=prefix is not None,
     )
     parts.metrics.record_max_tokens(req.route, max_tokens, decision.clamped or max_tokens != decision.max_tokens)
     set_max_tokens(req, max_tokens)
     out.max_tokens = max_tokens
-    return Booking(max(counts), max_tokens, sequences, stream=req.stream, prompt_ids=prompt_ids)
+    return Booking(max(counts), max_tokens, sequences, stream=req.stream, prompt_ids=prompt_ids, prefix=prefix)
 
 
 async def count(parts: Parts, req: GuardedRequest) -> list[PromptTokens]:
