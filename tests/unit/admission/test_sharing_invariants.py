@@ -18,8 +18,8 @@ from gateway import errors
 from gateway.admission import Reservation
 from gateway.admission.ledger import blocks_for
 from gateway.admission.prefix import PromptPrefix
-from gateway.admission.reservation import Phase
-from tests.unit.admission.rig import BS, Rig, enter, settle
+from tests.unit.admission.rig import BS, Rig, enter
+from tests.unit.admission.test_invariants import Traffic
 
 CAPACITY = 96
 STEPS = 250
@@ -39,13 +39,13 @@ def engine_must_hold(admitted: list[Reservation]) -> int:
     return len(shared) + own
 
 
-class SharedTraffic:
+class SharedTraffic(Traffic):
+    """The invariant test's traffic, with prompts drawn from four prefix families (and none) under four salts."""
+
     def __init__(self, rig: Rig, rng: random.Random) -> None:
-        self.rig, self.rng = rig, rng
+        super().__init__(rig, rng, engine=False)
         self.families = [[rng.randrange(3, 500) for _ in range(rng.choice([40, 100, 200]))] for _ in range(4)]
-        self.entered: list[tuple[Reservation, asyncio.Task[Reservation]]] = []
         self.peak_logical_over_physical = 0.0
-        self.steps = 0
 
     def reserve(self) -> None:
         rng = self.rng
@@ -58,27 +58,6 @@ class SharedTraffic:
             priority=rng.randint(0, 2), request_id=f"r{self.steps}", prefix=PromptPrefix(ids, salt),
         )
         self.entered.append((r, enter(r)))
-
-    def release(self) -> None:
-        live = [r for r, _ in self.entered if r.phase in (Phase.QUEUED, Phase.ADMITTED)]
-        if live:
-            self.rng.choice(live).release(completed=self.rng.random() < 0.7)
-
-    def cancel(self) -> None:
-        pending = [t for _, t in self.entered if not t.done()]
-        if pending:
-            self.rng.choice(pending).cancel()
-
-    def time_passes(self) -> None:
-        self.rig.clock.now += self.rng.uniform(0.0, 3.0)
-        self.rig.adm.tick()
-
-    async def step(self) -> None:
-        op = self.rng.choices(["reserve", "release", "cancel", "time_passes"], weights=[7, 4, 1, 2])[0]
-        getattr(self, op)()
-        await settle()
-        self.steps += 1
-        self.check()
 
     def check(self) -> None:
         adm = self.rig.adm
@@ -95,13 +74,7 @@ class SharedTraffic:
                 assert isinstance(task.exception(), EXPECTED_FAILURES)
 
     async def finish(self) -> None:
-        for r, task in self.entered:
-            r.release()
-            if not task.done():
-                task.cancel()
-        await asyncio.gather(*(t for _, t in self.entered), return_exceptions=True)
-        await self.rig.adm.close()
-        self.rig.assert_drained()
+        await super().finish()
         assert self.rig.adm.status()["prefix_sharing"]["shared_blocks_held"] == 0
 
 
