@@ -15,7 +15,7 @@ from tests.support.harness import run_gateway
 from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
 from .checks import Target
-from .rogue import Rogue, run_rogue
+from .rogue import SILENCE_S, Rogue, run_rogue
 
 MAX_MODEL_LEN = 512
 # Small, so that cases near and past the limit stay cheap.
@@ -69,9 +69,10 @@ def rogue() -> Iterator[Rogue]:
 @pytest.fixture(scope="session")
 def rogue_gw(rogue: Rogue, tokenizer_dir: Path) -> Iterator[Target]:
     """A gateway without client keys (anyone may call it) in front of the misbehaving upstream; its short read
-    timeout turns a hung upstream into a 504 within about a second."""
+    timeout turns a hung upstream into a 504 within a few seconds."""
     settings = hostile_settings(
-        tokenizer_dir, upstream=rogue.url, upstream_api_key=UPSTREAM_KEY, read_timeout=1.0, request_timeout=5.0,
+        tokenizer_dir, upstream=rogue.url, upstream_api_key=UPSTREAM_KEY, read_timeout=SILENCE_S,
+        request_timeout=SILENCE_S + 5.0,
     )
     with run_gateway(settings) as server:
         target = Target(server, None, json.dumps(ROGUE_OK_CHAT).encode())

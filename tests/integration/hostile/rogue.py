@@ -28,6 +28,9 @@ MODEL = "tiny"
 MAX_MODEL_LEN = 512
 NUM_BLOCKS = 256
 BLOCK_SIZE = 16
+# The read timeout of the gateway in front of the rogue: short, so that hung cases end quickly, yet long enough
+# that a fault answered at once is never mistaken for silence on a loaded two-core machine (1 s was not).
+SILENCE_S = 2.5
 
 # Each names one way an upstream misbehaves on a generation (or pass-through) request.
 MODES = (
@@ -198,7 +201,7 @@ async def _stream(writer: asyncio.StreamWriter, req: Request, chat: bool) -> boo
         events = events[:-1]
     for i, event in enumerate(events):
         if mode == "slow_stream" and i == 1:
-            await asyncio.sleep(2.0)  # past the gateway's read timeout
+            await asyncio.sleep(SILENCE_S + 1.5)  # past the gateway's read timeout
         writer.write(_chunk(event))
         await writer.drain()
     writer.write(b"0\r\n\r\n")
