@@ -5,14 +5,9 @@ A request's *need* is the most KV blocks admitting it adds: its sequences' own b
 (``books``, ``sharing``; without prefix sharing, ``n x ceil((prompt + max_tokens) / block_size)``). The budget is
 ``B = floor(kv_target x capacity_blocks)``; ``committed`` is what the books hold.
 
-``strict``: admit while ``committed + need <= B``. Every booking is an upper bound, so the engine never runs short
-of blocks for the gateway's requests, even if every one runs to its ``max_tokens``.
-
-``adaptive`` (default): admit whenever strict would; besides, while the engine's metrics are fresh, as far as the
-projection of what the admitted requests will still grow by leaves room (``projection``). Stale or absent metrics
-switch the live path off.
-
-Both honour ``--max-concurrency``. The queue is re-examined on every release, snapshot and resume.
+Whether one more request fits is the policy's (``policy``: ``strict`` books every request at its full size,
+so the engine never runs short of blocks for the gateway's requests; ``adaptive`` also admits on the projection of
+the live usage). The queue is re-examined on every release, snapshot and resume.
 """
 
 from __future__ import annotations
@@ -23,12 +18,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gateway import errors
+from gateway.admission import refusals
 from gateway.admission.books import Books
 from gateway.admission.gauges import LoadGauges
 from gateway.admission.kv_view import KvView, foreign_sequences
 from gateway.admission.ledger import Capacity, fit_output, too_large_message
+from gateway.admission.policy import Policy
 from gateway.admission.prefix import PromptPrefix
-from gateway.admission.projection import Projector, growth, project
+from gateway.admission.projection import Projector
 from gateway.admission.queue import DeadlineTimer, Drain, WaitQueue
 from gateway.admission.reservation import Phase, Reservation
 from gateway.config import Settings
@@ -65,8 +62,8 @@ class Admission:
         self._drain = Drain()
         self._projector = Projector(credit_window=2 * settings.scrape_interval)
         self._checkpoint_spacing = settings.scrape_interval / 4
-        self._projected: int | None = None  # the projection while a pass over the queue needs it
         self._gauges = LoadGauges(metrics)
+        self._policy = Policy(settings, self._kv, self._books, self._projector)
         cap = self._kv.capacity()
         self._block_size = cap.block_size if cap else (settings.block_size or DEFAULT_BLOCK_SIZE)
         self._sharing = self._kv.prefix_sharing()
@@ -163,7 +160,7 @@ class Admission:
         """The state as ``/guard/status`` shows it (a JSON document). Reads only: changes nothing."""
         cap = self._kv.capacity()
         budget = self._kv.budget(cap) if cap else None
-        projected = self._projection_now(cap)
+        projected = self._policy.projection(cap, self._in_flight)
         rate = self._drain.rate(self._clock())
         return {
             "policy": self._settings.admission_policy,
@@ -178,7 +175,7 @@ class Admission:
             "foreign_sequences": self._foreign,
             "live_used_blocks": self._kv.live_used(cap),
             "projected_blocks": projected,
-            "admit_limit_blocks": self._admit_limit(budget, projected),
+            "admit_limit_blocks": self._policy.admit_limit(budget, projected),
             "in_flight": len(self._in_flight),
             "max_concurrency": self._settings.max_concurrency,
             "queued": len(self._queue),
@@ -255,7 +252,7 @@ class Admission:
     def _pump(self) -> None:
         """Expire, then admit from the queue as far as the policy allows."""
         self._expire()
-        self._projected = None
+        self._policy.begin_pass()
         cap = self._capacity()
         if not self._paused:
             budget = self._kv.budget(cap) if cap else 0
@@ -267,35 +264,16 @@ class Admission:
                     # Capacity shrank under a queued request (engine restarted smaller): it can never fit.
                     self._fail(head, errors.KVBudgetExceeded(self._too_large_message(head, cap)))
                     continue
-                chosen = self._queue.pick(lambda r: self._fits(r, cap, budget))
+                chosen = self._queue.pick(lambda r: self._policy.fits(r, cap, budget, self._in_flight))
                 if chosen is None:
                     break
                 self._admit(chosen, cap)
         self._publish_load()
 
-    def _fits(self, r: Reservation, cap: Capacity | None, budget: int) -> bool:
-        limit = self._settings.max_concurrency
-        if limit is not None and len(self._in_flight) >= limit:
-            return False
-        if cap is None:
-            return True
-        self._books.quote(r)
-        if r.blocks > budget:
-            return False
-        if self.committed + r.blocks <= budget:
-            return True
-        if self._settings.admission_policy != "adaptive" or not self._kv.live_usable():
-            return False
-        if self._projected is None:
-            self._projected = self._projection_now(cap)
-        grows = growth(r, cap.block_size, self._projector.outlook())
-        return self._projected is not None and self._projected + grows <= budget
-
     def _admit(self, r: Reservation, cap: Capacity | None) -> None:
         enqueued_at = self._queue.enqueued_at(r)
         self._dequeue(r)
-        if self._projected is not None and cap is not None:
-            self._projected += growth(r, cap.block_size, self._projector.outlook())
+        self._policy.admitted(r, cap)
         waited = max(0.0, self._clock() - enqueued_at)
         r.admit(waited)
         self._books.commit(r)
@@ -318,22 +296,16 @@ class Admission:
         self._dequeue(r)
         r.reject()
         self._publish_load()
-        return errors.QueueFull(
-            f"The gateway's queue is full ({self._settings.max_queue} requests waiting for KV capacity, "
-            f"{len(self._in_flight)} in flight); retry later.",
-            retry_after=self._drain.retry_after(position, self._clock()),
-        )
+        retry_after = self._drain.retry_after(position, self._clock())
+        return refusals.queue_full(self._settings.max_queue, len(self._in_flight), retry_after)
 
     def _expire(self) -> None:
         now = self._clock()
         for r in self._queue.expired(now):
-            position = self._queue.position(r)
-            waited = now - self._queue.enqueued_at(r)
-            self._fail(r, errors.QueueTimeout(
-                f"Waited {waited:.1f} s for KV capacity, the queue timeout is "
-                f"{self._settings.queue_timeout:g} s ({len(self._in_flight)} requests in flight, "
-                f"{len(self._queue)} queued); retry later.",
-                retry_after=self._drain.retry_after(position, now),
+            position, waited = self._queue.position(r), now - self._queue.enqueued_at(r)
+            retry_after = self._drain.retry_after(position, now)
+            self._fail(r, refusals.queue_timeout(
+                waited, self._settings.queue_timeout, len(self._in_flight), len(self._queue), retry_after
             ))
 
     # -- capacity and the live view ---------------------------------------------------------------
@@ -353,21 +325,6 @@ class Admission:
             self._books.recount(r, block_size, sharing)
         for r in self._queue:
             r.recount(block_size, sharing)
-
-    def _projection_now(self, cap: Capacity | None) -> int | None:
-        """The adaptive projection as of now; None where the policy does not use one."""
-        if cap is None or self._settings.admission_policy != "adaptive" or not self._kv.live_usable():
-            return None
-        live = self._kv.live_used(cap) or 0
-        return project(live, self._in_flight, cap.block_size, self._projector.outlook(), self._books.shared_held)
-
-    def _admit_limit(self, budget: int | None, projected: int | None) -> int | None:
-        """The committed total the policy would accept now: the budget, plus what live usage frees."""
-        if budget is None:
-            return None
-        if projected is not None:
-            return budget + max(0, self.committed - projected)
-        return budget
 
     def _on_snapshot(self, old: EngineSnapshot, new: EngineSnapshot) -> None:
         self._foreign = foreign_sequences(new, self._in_flight)
@@ -389,7 +346,7 @@ class Admission:
         budget = self._kv.budget(cap)
         self._metrics.record_kv(
             capacity=cap.blocks, budget=budget, committed=self.committed, live_used=self._kv.live_used(cap),
-            admit_limit=self._admit_limit(budget, self._projection_now(cap)) or budget,
+            admit_limit=self._policy.admit_limit(budget, self._policy.projection(cap, self._in_flight)) or budget,
         )
         self._gauges.committed_set(self.committed)
 

@@ -1,0 +1,71 @@
+"""The admission policy: whether one more request fits now.
+
+``strict`` admits while the books (``committed + need``) stay within the budget. ``adaptive`` admits whenever
+strict would and, while the engine's metrics are fresh, as far as the projection of what the admitted requests
+will still grow by leaves room. Both honour ``--max-concurrency``. One pass over the queue computes the
+projection once and adds each admitted request's growth to it."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from gateway.admission.books import Books
+from gateway.admission.kv_view import KvView
+from gateway.admission.ledger import Capacity
+from gateway.admission.projection import Projector, growth, project
+from gateway.admission.reservation import Reservation
+from gateway.config import Settings
+
+
+class Policy:
+    def __init__(self, settings: Settings, kv: KvView, books: Books, projector: Projector) -> None:
+        self._settings = settings
+        self._kv = kv
+        self._books = books
+        self._projector = projector
+        self._projected: int | None = None  # the projection while a pass over the queue needs it
+
+    def begin_pass(self) -> None:
+        """Forget the projection: the engine, the books or the requests in flight moved since the last pass."""
+        self._projected = None
+
+    def fits(self, r: Reservation, cap: Capacity | None, budget: int, in_flight: Collection[Reservation]) -> bool:
+        limit = self._settings.max_concurrency
+        if limit is not None and len(in_flight) >= limit:
+            return False
+        if cap is None:
+            return True
+        self._books.quote(r)
+        if r.blocks > budget:
+            return False
+        if self._books.committed + r.blocks <= budget:
+            return True
+        if not self._live():
+            return False
+        if self._projected is None:
+            self._projected = self.projection(cap, in_flight)
+        grows = growth(r, cap.block_size, self._projector.outlook())
+        return self._projected is not None and self._projected + grows <= budget
+
+    def admitted(self, r: Reservation, cap: Capacity | None) -> None:
+        """Count ``r``'s growth into the projection of the pass under way."""
+        if self._projected is not None and cap is not None:
+            self._projected += growth(r, cap.block_size, self._projector.outlook())
+
+    def projection(self, cap: Capacity | None, in_flight: Collection[Reservation]) -> int | None:
+        """The adaptive projection as of now; None where the policy does not use one."""
+        if cap is None or not self._live():
+            return None
+        live = self._kv.live_used(cap) or 0
+        return project(live, in_flight, cap.block_size, self._projector.outlook(), self._books.shared_held)
+
+    def admit_limit(self, budget: int | None, projected: int | None) -> int | None:
+        """The committed total the policy would accept now: the budget, plus what live usage frees."""
+        if budget is None:
+            return None
+        if projected is not None:
+            return budget + max(0, self._books.committed - projected)
+        return budget
+
+    def _live(self) -> bool:
+        return self._settings.admission_policy == "adaptive" and self._kv.live_usable()
