@@ -11,8 +11,18 @@ from gateway.config import Settings
 from gateway.engine.live import EngineSnapshot, EngineView
 
 
+class RankStatus(TypedDict):
+    """One data-parallel engine's part of ``/guard/status``."""
+
+    kv_usage: float | None
+    running: int | None
+    waiting: int | None
+    preemptions_total: float | None
+    capacity_blocks: int | None
+
+
 class EngineStatus(TypedDict):
-    """The engine's part of ``/guard/status``."""
+    """The engine's part of ``/guard/status``; ``ranks`` lists each engine of a data-parallel deployment."""
 
     ok: bool
     has_metrics: bool
@@ -22,6 +32,7 @@ class EngineStatus(TypedDict):
     running: int | None
     waiting: int | None
     preemptions_total: float | None
+    ranks: dict[str, RankStatus]
 
 
 class KvView:
@@ -67,6 +78,13 @@ class KvView:
             ok=snap.ok, has_metrics=snap.has_metrics, stale=self._engine.is_stale(), age_s=self._engine.age(),
             kv_usage=snap.kv_usage, running=snap.running, waiting=snap.waiting,
             preemptions_total=snap.preemptions_total,
+            ranks={
+                rank: RankStatus(
+                    kv_usage=r.kv_usage, running=r.running, waiting=r.waiting,
+                    preemptions_total=r.preemptions_total, capacity_blocks=r.num_gpu_blocks,
+                )
+                for rank, r in snap.ranks.items()
+            } if len(snap.ranks) > 1 else {},
         )
 
     def publish_freshness(self) -> None:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
 
-from gateway.engine.vllm_api import EngineMetrics, parse_metrics
+from gateway.engine.vllm_api import EngineMetrics, RankMetrics, parse_metrics
 from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,7 @@ class EngineSnapshot:
     prefix_cache_queries_total: float | None = None  # tokens looked up in the prefix cache
     prefix_cache_hits_total: float | None = None  # of those, tokens found
     prompt_tokens_total: float | None = None  # prefilled tokens, counted as each prefill completes (progress)
+    ranks: Mapping[str, RankMetrics] = field(default_factory=dict)  # each data-parallel engine's own figures
 
 
 def never_scraped(at: float) -> EngineSnapshot:
@@ -60,7 +61,7 @@ def snapshot_of(at: float, page: EngineMetrics) -> EngineSnapshot:
         block_size=page.block_size, prefix_caching=page.prefix_caching,
         prefix_cache_queries_total=page.prefix_cache_queries_total,
         prefix_cache_hits_total=page.prefix_cache_hits_total,
-        prompt_tokens_total=page.prompt_tokens_total,
+        prompt_tokens_total=page.prompt_tokens_total, ranks=page.ranks,
     )
 
 

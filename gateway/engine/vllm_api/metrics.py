@@ -6,7 +6,7 @@ lost their ``gpu_`` prefix the same way; ``vllm:cache_config_info`` names the ca
 (``None`` before the cache is sized) and, since 0.26, in ``kv_cache_size_tokens`` as well. Counters appear with
 Prometheus' ``_total`` suffix; an exporter that drops it is read too. With data parallelism every series comes once
 per ``engine`` label: counts are summed over engines, KV usage is the highest engine's (the gateway cannot tell
-which engine a request lands on), capacity is one engine's.
+which engine a request lands on), capacity is one engine's; ``ranks`` keeps each engine's own figures.
 
 Samples are parsed by ``prometheus_client``'s parser, but only the lines of the series read here. Measured on the
 2-core test machine: the whole 536-line 0.32 page (tests/fixtures/vllm/v1-0.32.0) took 11-15 ms, its 18 relevant
@@ -48,6 +48,18 @@ _PREFIXES = tuple(sorted(_READ))
 
 
 @dataclass(frozen=True)
+class RankMetrics:
+    """One data-parallel engine's own figures (the series carrying its ``engine`` label)."""
+
+    kv_usage: float | None = None
+    running: int | None = None
+    waiting: int | None = None
+    preemptions_total: float | None = None
+    generation_tokens_total: float | None = None
+    num_gpu_blocks: int | None = None
+
+
+@dataclass(frozen=True)
 class EngineMetrics:
     """What the gateway reads from one ``/metrics`` page; ``None`` where the page does not say."""
 
@@ -69,6 +81,7 @@ class EngineMetrics:
     kv_cache_size_tokens: int | None = None  # as vLLM states it (0.26+)
     prefix_caching: bool | None = None
     engines: int = 0  # data-parallel engines that published their cache configuration
+    ranks: Mapping[str, RankMetrics] = field(default_factory=dict)  # by ``engine`` label, where series carry one
 
     @property
     def capacity_tokens(self) -> int | None:
@@ -89,36 +102,31 @@ class EngineMetrics:
 def parse_metrics(text: str) -> EngineMetrics:
     """Read vLLM's Prometheus text. Lines that do not parse are skipped, so a partial or garbled page yields
     what it can; NaN and infinite values count as absent."""
-    sums: dict[str, float] = {}
-    usage: dict[str, float] = {}
+    whole = _Series()
+    by_rank: dict[str, _Series] = {}
     by_reason: dict[str, float] = {}
-    caches: list[Mapping[str, str]] = []
     seen = False
     for sample in _samples(line for line in text.splitlines() if line.startswith(_PREFIXES)):
-        name = sample.name
-        if name not in _READ:
+        if sample.name not in _READ:
             continue  # a longer name sharing a prefix: vllm:num_preemptions_created
         seen = True
-        value = sample.value
-        if math.isnan(value) or math.isinf(value):
+        if math.isnan(sample.value) or math.isinf(sample.value):
             continue
-        if name == _CACHE_INFO:
-            caches.append(sample.labels)
-        elif name in _KV_USAGE:
-            usage[name] = max(usage.get(name, 0.0), value)
-        elif name == _WAITING_BY_REASON:
+        if sample.name == _WAITING_BY_REASON:
             reason = sample.labels.get("reason", "")
-            by_reason[reason] = by_reason.get(reason, 0.0) + value
-        else:
-            sums[name] = sums.get(name, 0.0) + value
-    total = {key: next((sums[n] for n in names if n in sums), None) for key, names in _SUMS.items()}
+            by_reason[reason] = by_reason.get(reason, 0.0) + sample.value
+            continue
+        whole.add(sample)
+        if (rank := sample.labels.get("engine")) is not None:
+            by_rank.setdefault(rank, _Series()).add(sample)
+    total = whole.totals()
     running, waiting = total["running"], total["waiting"]
-    cache = _capacity(caches)
+    cache = _capacity(whole.caches)
     return EngineMetrics(
         has_metrics=seen,
-        kv_usage=_fraction(next((usage[n] for n in _KV_USAGE if n in usage), None)),
-        running=None if running is None else round(running),
-        waiting=None if waiting is None else round(waiting),
+        kv_usage=whole.kv_usage(),
+        running=_count(running),
+        waiting=_count(waiting),
         waiting_by_reason={reason: round(v) for reason, v in by_reason.items()},
         preemptions_total=total["preemptions_total"],
         prompt_tokens_total=total["prompt_tokens_total"],
@@ -131,8 +139,45 @@ def parse_metrics(text: str) -> EngineMetrics:
         num_gpu_blocks=cache.num_gpu_blocks,
         kv_cache_size_tokens=cache.kv_cache_size_tokens,
         prefix_caching=cache.prefix_caching,
-        engines=len(caches),
+        engines=len(whole.caches),
+        ranks={rank: series.rank() for rank, series in sorted(by_rank.items())},
     )
+
+
+@dataclass(slots=True)
+class _Series:
+    """The samples read from one page, or from one engine's series of it."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    usage: dict[str, float] = field(default_factory=dict)
+    caches: list[Mapping[str, str]] = field(default_factory=list)
+
+    def add(self, sample: Sample) -> None:
+        name, value = sample.name, sample.value
+        if name == _CACHE_INFO:
+            self.caches.append(sample.labels)
+        elif name in _KV_USAGE:
+            self.usage[name] = max(self.usage.get(name, 0.0), value)
+        else:
+            self.sums[name] = self.sums.get(name, 0.0) + value
+
+    def totals(self) -> dict[str, float | None]:
+        return {key: next((self.sums[n] for n in names if n in self.sums), None) for key, names in _SUMS.items()}
+
+    def kv_usage(self) -> float | None:
+        return _fraction(next((self.usage[n] for n in _KV_USAGE if n in self.usage), None))
+
+    def rank(self) -> RankMetrics:
+        total = self.totals()
+        return RankMetrics(
+            kv_usage=self.kv_usage(), running=_count(total["running"]), waiting=_count(total["waiting"]),
+            preemptions_total=total["preemptions_total"], generation_tokens_total=total["generation_tokens_total"],
+            num_gpu_blocks=_capacity(self.caches).num_gpu_blocks,
+        )
+
+
+def _count(value: float | None) -> int | None:
+    return None if value is None else round(value)
 
 
 def _samples(lines: Iterable[str]) -> Iterator[Sample]:

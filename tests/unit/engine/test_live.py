@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from gateway.engine.live import EngineSnapshot, EngineView, counter_increase
+from gateway.engine.vllm_api import RankMetrics
 from gateway.metrics import Metrics
 from tests.support.paths import FIXTURES
 
@@ -65,6 +66,8 @@ async def test_refresh_builds_a_snapshot_from_metrics() -> None:
         taken_at=100.0, ok=True, has_metrics=True, kv_usage=0.25, running=3, waiting=1, preemptions_total=9.0,
         generation_tokens_total=6789.0, num_gpu_blocks=32, block_size=128, prefix_caching=True,
         prefix_cache_queries_total=5200.0, prefix_cache_hits_total=1280.0, prompt_tokens_total=12345.0,
+        ranks={"0": RankMetrics(kv_usage=0.25, running=3, waiting=1, preemptions_total=9.0,
+                                generation_tokens_total=6789.0, num_gpu_blocks=32)},
     )
     assert view.snapshot is snap and not view.is_stale()
 

@@ -22,7 +22,7 @@ from tests.support.paths import FIXTURES as ALL_FIXTURES
 FIXTURES = ALL_FIXTURES / "vllm"
 
 TINY = ServedModel("tiny", "/models/tiny", 2048)
-NO_METRICS = asdict(EngineMetrics())
+NO_METRICS = {key: value for key, value in asdict(EngineMetrics()).items() if key != "ranks"}
 # What each family's page must yield, over what a page without vLLM series yields.
 PAGES: dict[str, dict[str, Any]] = {
     "v0-0.8.5": {
@@ -85,8 +85,30 @@ def test_every_family_has_its_expectations() -> None:
 
 @pytest.mark.parametrize("name", sorted(PAGES))
 def test_each_family_metrics_page_reads_into_one_record(name: str) -> None:
+    page = asdict(parse_metrics(family(name, "metrics.txt").decode()))
+    del page["ranks"]
+    assert page == {**NO_METRICS, **PAGES[name]}
+
+
+def test_each_data_parallel_engine_keeps_its_own_figures() -> None:
+    page = parse_metrics(family("v1-0.32.0-dp2", "metrics.txt").decode())
+    assert {rank: asdict(r) for rank, r in page.ranks.items()} == {
+        "0": {"kv_usage": 0.1, "running": 2, "waiting": 0, "preemptions_total": 1.0,
+              "generation_tokens_total": 500.0, "num_gpu_blocks": 32},
+        "1": {"kv_usage": 0.7, "running": 5, "waiting": 2, "preemptions_total": 2.0,
+              "generation_tokens_total": 700.0, "num_gpu_blocks": 32},
+    }
+
+
+@pytest.mark.parametrize("name", sorted(set(PAGES) - {"v1-0.32.0-dp2"}))
+def test_a_single_engines_rank_is_the_whole_page_and_unlabelled_series_have_none(name: str) -> None:
     page = parse_metrics(family(name, "metrics.txt").decode())
-    assert asdict(page) == {**NO_METRICS, **PAGES[name]}
+    expected = {"0"} if page.has_metrics and name.startswith("v1") else set()
+    assert set(page.ranks) == expected
+    for rank in page.ranks.values():
+        assert (rank.kv_usage, rank.running, rank.waiting, rank.preemptions_total, rank.num_gpu_blocks) == (
+            page.kv_usage, page.running, page.waiting, page.preemptions_total, page.num_gpu_blocks
+        )
 
 
 @pytest.mark.parametrize("name", sorted(PAGES))
