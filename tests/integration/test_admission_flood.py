@@ -45,11 +45,6 @@ def flood_body(**extra: Any) -> dict[str, Any]:
     return completion(FLOOD_PROMPT, FLOOD_MAX_TOKENS, **extra)
 
 
-def ledger_is_empty(gw: GatewayServer) -> bool:
-    status = gw.status()
-    return bool(status["committed_blocks"] == 0 and status["in_flight"] == 0 and status["queued"] == 0)
-
-
 async def eventually(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
     """Poll a condition that another thread (the gateway's or the engine's loop) makes true."""
     deadline = time.monotonic() + timeout
@@ -142,10 +137,7 @@ def make_gateway(base_settings: Settings, exits: contextlib.ExitStack) -> Iterat
 
     yield make
     for gw in started:
-        deadline = time.monotonic() + 5.0
-        while not ledger_is_empty(gw):
-            assert time.monotonic() < deadline, f"the ledger did not return to zero: {gw.status()}"
-            time.sleep(0.01)
+        gw.wait_ledger_empty()
 
 
 @contextlib.asynccontextmanager
@@ -201,7 +193,7 @@ async def test_the_same_flood_through_the_gateway_makes_zero_preemptions(
     assert sim.sim.preemptions_total == 0
     if policy == "strict":
         assert sim.sim.peak_used_blocks <= STRICT_BUDGET
-    assert ledger_is_empty(gw)
+    assert gw.ledger_is_empty()
 
 
 # 16 prompt + 112 max_tokens = 8 blocks each: the ledger alone can never run more than 28 // 8 = 3 at
@@ -375,7 +367,7 @@ async def test_a_client_that_disconnects_while_queued_leaves_the_queue(
                 await waiting
             await eventually(lambda: gw.status()["queued"] == 0, "the queued request withdrawn")
             assert gw.status()["in_flight"] == 1
-        await eventually(lambda: ledger_is_empty(gw), "the ledger back to zero")
+        await eventually(lambda: gw.ledger_is_empty(), "the ledger back to zero")
     assert sim.sim.request_count == 1  # the withdrawn request never reached the engine
 
 
@@ -416,7 +408,7 @@ async def test_a_client_that_disconnects_mid_stream_releases_its_blocks(
         async for _ in r.aiter_raw():
             assert gw.status()["committed_blocks"] == 26  # ceil((16 + 400) / 16)
             break
-    await eventually(lambda: sim.sim.cancelled == 1 and ledger_is_empty(gw), "stream cut and released")
+    await eventually(lambda: sim.sim.cancelled == 1 and gw.ledger_is_empty(), "stream cut and released")
 
 
 async def test_a_cancelled_request_is_aborted_upstream_and_released(
@@ -431,7 +423,7 @@ async def test_a_cancelled_request_is_aborted_upstream_and_released(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    await eventually(lambda: sim.sim.cancelled == 1 and ledger_is_empty(gw), "request aborted and released")
+    await eventually(lambda: sim.sim.cancelled == 1 and gw.ledger_is_empty(), "request aborted and released")
     assert sim.sim.running == 0
 
 
@@ -459,7 +451,7 @@ async def test_an_upstream_fault_releases_the_reservation(
         assert r.status_code == status, r.text
         if stream and status == 200:
             assert b'"error"' in r.content  # the cut is reported in the stream itself
-        await eventually(lambda: ledger_is_empty(gw), "the ledger back to zero")
+        await eventually(lambda: gw.ledger_is_empty(), "the ledger back to zero")
         # Nothing stays reserved: the next request is admitted and served.
         ok = await client.post(gw.url + "/v1/completions", json=completion(16, 8))
         assert ok.status_code == 200

@@ -278,11 +278,6 @@ def path_forms(count: int, seed: int = 10) -> list[str]:
     return forms
 
 
-def ledger_is_empty(gw: GatewayServer) -> bool:
-    status = gw.status()
-    return bool(status["committed_blocks"] == 0 and status["in_flight"] == 0 and status["queued"] == 0)
-
-
 # -- the property -----------------------------------------------------------------------------------
 def test_no_form_of_a_path_reaches_the_engine_unguarded(gateway: GatewayServer, engine: Engine) -> None:
     engine.recorder.seen.clear()
@@ -307,7 +302,7 @@ def test_no_form_of_a_path_reaches_the_engine_unguarded(gateway: GatewayServer, 
         assert seen.path in allowed and seen.raw_path == seen.path.encode(), seen
     generating = engine.recorder.generating()
     assert all(s.path in GUARDED_ROUTES and answers[str(s.request_id)][2].guarded for s in generating), generating
-    assert ledger_is_empty(gateway)
+    assert gateway.ledger_is_empty()
 
     # The run exercised both outcomes, not only refusals.
     outcomes = [a for _, _, a in answers.values()]

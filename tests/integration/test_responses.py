@@ -186,11 +186,6 @@ def client(gateway: GatewayServer) -> Iterator[openai.OpenAI]:
         yield c
 
 
-def ledger_is_empty(gw: GatewayServer) -> bool:
-    status = gw.status()
-    return bool(status["committed_blocks"] == 0 and status["in_flight"] == 0 and status["queued"] == 0)
-
-
 @pytest.mark.parametrize(("case", "fields"), CASES, ids=[c for c, _ in CASES])
 def test_every_input_shape_is_counted_as_the_engine_counts_it(
     client: openai.OpenAI, gateway: GatewayServer, case: str, fields: dict[str, Any]
@@ -201,7 +196,7 @@ def test_every_input_shape_is_counted_as_the_engine_counts_it(
     assert response.usage is not None
     assert int(raw.headers["x-guard-prompt-tokens"]) == response.usage.input_tokens, case
     assert raw.headers["x-guard-max-tokens"] == "4"
-    assert ledger_is_empty(gateway)
+    assert gateway.ledger_is_empty()
 
 
 def test_the_sdk_gets_its_answer(client: openai.OpenAI) -> None:
@@ -237,7 +232,7 @@ def test_max_output_tokens_over_the_context_is_rejected_by_that_name_under_the_r
         assert error["param"] == "max_output_tokens" and error["code"] == "context_length_exceeded"
         assert "max_output_tokens can be at most" in error["message"]
         assert not sim.sim.requests_seen
-        assert ledger_is_empty(gw)
+        assert gw.ledger_is_empty()
 
 
 @pytest.mark.parametrize("overflow", ["reject", "truncate"])
@@ -252,7 +247,7 @@ def test_input_over_the_context_is_rejected_even_when_truncation_is_asked_for(
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
     assert ("never truncated" in error["message"]) is (overflow == "truncate")
     assert not sim.sim.requests_seen
-    assert ledger_is_empty(gateway)
+    assert gateway.ledger_is_empty()
 
 
 @pytest.mark.parametrize(
@@ -278,7 +273,7 @@ def test_a_stream_is_relayed_event_by_event_with_its_usage(client: openai.OpenAI
     assert kinds.count("response.output_text.delta") == 6
     final = events[-1].response  # type: ignore[union-attr]
     assert final.usage is not None and final.usage.input_tokens == int(raw.headers["x-guard-prompt-tokens"])
-    assert ledger_is_empty(gateway)
+    assert gateway.ledger_is_empty()
 
 
 def test_a_client_leaving_mid_stream_frees_its_blocks(tokenizer: Any, tokenizer_dir: Any,
@@ -292,4 +287,4 @@ def test_a_client_leaving_mid_stream_frees_its_blocks(tokenizer: Any, tokenizer_
             lines = answer.iter_lines()
             assert next(lines).startswith("event: response.created")
             assert gw.status()["committed_blocks"] > 0
-        wait_until(lambda: ledger_is_empty(gw))
+        wait_until(lambda: gw.ledger_is_empty())

@@ -45,6 +45,18 @@ class GatewayServer:
         result: dict[str, Any] = self.call(get)
         return result
 
+    def ledger_is_empty(self) -> bool:
+        """Nothing booked, in flight or queued: every reservation was given back."""
+        status = self.status()
+        return bool(status["committed_blocks"] == 0 and status["in_flight"] == 0 and status["queued"] == 0)
+
+    def wait_ledger_empty(self, timeout: float = 5.0) -> None:
+        """Wait for the requests still finishing on the gateway's loop to give their reservations back."""
+        deadline = time.monotonic() + timeout
+        while not self.ledger_is_empty():
+            assert time.monotonic() < deadline, f"the ledger did not return to zero: {self.status()}"
+            time.sleep(0.01)
+
 
 @contextmanager
 def run_gateway(settings: Settings, **overrides: Any) -> Iterator[GatewayServer]:

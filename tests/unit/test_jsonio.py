@@ -135,11 +135,6 @@ def gateway(recorded_sim: tuple[str, Recorder], tokenizer_dir: Path) -> Iterator
         yield gw
 
 
-def ledger_is_empty(gw: GatewayServer) -> bool:
-    status = httpx.get(gw.url + "/guard/status").json()
-    return bool(status["committed_blocks"] == 0 and status["in_flight"] == 0 and status["queued"] == 0)
-
-
 VENDOR = {"x_vendor": {**BIG, "list": [2**64, -(2**70), 1.5], "digits": "123456789012345678901234567890"}}
 REQUESTS: dict[str, tuple[str, dict[str, Any]]] = {
     "chat": ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}),
@@ -159,7 +154,7 @@ def test_big_integers_reach_the_engine_exactly(
     received = json.loads(recorded_sim[1].bodies[-1])
     assert received["x_vendor"] == sent["x_vendor"]
     assert all(type(v) is int for v in received["x_vendor"].values() if not isinstance(v, list | str))
-    assert ledger_is_empty(gateway)
+    assert gateway.ledger_is_empty()
 
 
 def test_a_seed_beyond_64_bits_is_forwarded_not_rounded(
@@ -190,7 +185,7 @@ def test_deep_nesting_is_a_400_never_a_500(gateway: GatewayServer, depth: int, w
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and f"the limit is {jsonio.MAX_DEPTH}" in error["message"]
-    assert ledger_is_empty(gateway)
+    assert gateway.ledger_is_empty()
 
 
 def test_nesting_within_the_limit_passes_untouched(gateway: GatewayServer, recorded_sim: tuple[str, Recorder]) -> None:

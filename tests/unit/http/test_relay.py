@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import orjson
 import pytest
 
@@ -244,18 +242,10 @@ CHAT = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "
                      "stream": True})
 
 
-def ledger_is_empty(gw: GatewayServer) -> bool:
-    status = httpx.get(gw.url + "/guard/status").json()
-    return bool(status["committed_blocks"] == 0 and status["in_flight"] == 0 and status["queued"] == 0)
-
-
 def stream_through(gw: GatewayServer, upstream: BadUpstream, pieces: list[bytes], **kw: Any) -> RawReply:
     upstream.answer = chunked(pieces, **kw)
     reply = raw_request(gw.url, "/v1/chat/completions", CHAT)
-    deadline = time.monotonic() + 5
-    while not ledger_is_empty(gw):
-        assert time.monotonic() < deadline, "the reservation was not released"
-        time.sleep(0.01)
+    gw.wait_ledger_empty()
     return reply
 
 
