@@ -12,6 +12,11 @@ max_model_len 2,048, prefix caching on as by default. Workloads:
 - ``multiturn``: the OpenAI SDK: 8 conversations of 4 turns, each turn re-sending the conversation so far plus a
   new question, streamed, 100 output tokens;
 - ``n4``: the OpenAI SDK: 6 chat requests of ~700 prompt tokens with ``n = 4``, 120 output tokens, streamed.
+- ``overload``: vLLM's benchmark client, chat backend: 64 requests arriving at 6 a second (Poisson), random
+  dataset of 700 prompt and 500 output tokens, each +-90% (``--random-range-ratio 0.9``), ``--ignore-eos``; the
+  gateways keep their default 30-s queue timeout. Also counted: requests refused by the forecast (503
+  ``queue_timeout_expected``) and after waiting the whole timeout (``queue_timeout``), from the gateway's metrics;
+  ``--policy strict-noshed`` is strict with ``--shed-early off``, as before shedding early.
 
 Every run uses its own seed, so no run finds the previous run's prompts in the cache. Per cell: output tokens/s
 (and its ratio to direct), mean and p99 TTFT, mean TPOT, preemptions and prefix-cache hit rate (vLLM's own
@@ -19,6 +24,7 @@ counters), failed requests; the median of the runs by throughput.
 
     .venv/bin/python bench/prefix.py                       # every workload, direct / strict / adaptive, 3 runs
     .venv/bin/python bench/prefix.py --workload shared --repeat 5
+    .venv/bin/python bench/prefix.py --workload chat --policy strict --policy strict+time
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.prefix_clients import multiturn, n_sampling, vllm_bench  # noqa: E402
+from bench.prefix_clients import gateway_refusals, multiturn, n_sampling, vllm_bench  # noqa: E402
 from tests.e2e.servers import (  # noqa: E402
     DEFAULT_MAX_MODEL_LEN,
     GATEWAY_READY_PATHS,
@@ -54,6 +60,9 @@ from tests.e2e.servers import (  # noqa: E402
 
 COUNTERS = ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total")
 GATEWAY_ARGS = ("--queue-timeout", "600")
+# Gateway targets: the admission policy, and strict with time-aware booking (``--time-aware on``).
+MODES = {"strict": ("--admission-policy", "strict"), "adaptive": ("--admission-policy", "adaptive"),
+         "strict+time": ("--admission-policy", "strict", "--time-aware", "on")}
 
 
 @dataclass
@@ -65,6 +74,8 @@ class Run:
     failed: int
     preemptions: float = 0.0
     hit_rate: float | None = None
+    shed: float = 0.0  # refused by the forecast, before the deadline (overload)
+    timed_out: float = 0.0  # refused after waiting the whole queue timeout (overload)
 
 
 Workload = Callable[[str, Path, int], Run]
@@ -104,6 +115,55 @@ WORKLOADS: dict[str, Workload] = {
     "multiturn": _sdk(multiturn),
     "n4": _sdk(n_sampling),
 }
+
+# The overload's gateways keep the default 30-s queue timeout, as a user runs them: these flags come after
+# GATEWAY_ARGS, and the last --queue-timeout wins.
+WORKLOAD_GATEWAY_ARGS: dict[str, tuple[str, ...]] = {"overload": ("--queue-timeout", "30")}
+MODES["strict-noshed"] = ("--admission-policy", "strict", "--shed-early", "off")  # what shedding early changes
+_OVERLOAD_BENCH = _bench(
+    # After ``_bench``'s own ``--request-rate inf``: argparse keeps the last.
+    ["--dataset-name", "random", "--random-input-len", "700", "--random-output-len", "500",
+     "--random-range-ratio", "0.9", "--num-prompts", "64", "--ignore-eos", "--request-rate", "6"],
+    backend="openai-chat",
+)
+
+
+def _overload(base: str, model: Path, seed: int) -> Run:
+    before = gateway_refusals(base)
+    run = _OVERLOAD_BENCH(base, model, seed)
+    after = gateway_refusals(base)
+    run.shed = after.get("queue_timeout_expected", 0.0) - before.get("queue_timeout_expected", 0.0)
+    run.timed_out = after.get("queue_timeout", 0.0) - before.get("queue_timeout", 0.0)
+    return run
+
+
+WORKLOADS["overload"] = _overload
+
+
+def gateway_key(target: str, workload: str) -> str:
+    """The gateway a workload runs against: one per target, and one more per target for workloads with flags of
+    their own."""
+    return f"{target}@{workload}" if workload in WORKLOAD_GATEWAY_ARGS else target
+
+
+def overload_table(by_target: dict[str, list[Run]], targets: Sequence[str]) -> str:
+    """The overload against its targets: completed requests, refused by the forecast and after the whole timeout
+    (all runs), and the medians' ratios to direct."""
+    lines = ["| overload | completed (runs) | refused early by the forecast | refused after the whole timeout | "
+             "output tok/s x direct | p99 TTFT ms (x direct) |", "|" + " --- |" * 6]
+    direct = by_target["direct"]
+    direct_tps = statistics.median(r.tokens_per_s for r in direct)
+    direct_p99 = statistics.median(r.p99_ttft_ms for r in direct)
+    for target in targets:
+        runs = by_target[target]
+        completed = ", ".join(str(64 - r.failed) for r in runs)
+        p99 = statistics.median(r.p99_ttft_ms for r in runs)
+        shed, timed_out = sum(r.shed for r in runs), sum(r.timed_out for r in runs)
+        lines.append(
+            f"| {target} | {completed} of 64 | {shed:.0f} | {timed_out:.0f} | "
+            f"{statistics.median(r.tokens_per_s for r in runs) / direct_tps:.2f} | {p99:.0f} ({p99 / direct_p99:.2f}) |"
+        )
+    return "\n".join(lines)
 
 
 def wait_idle(vllm: ServerProcess, timeout_s: float = 300.0) -> None:
@@ -151,7 +211,7 @@ def table(results: dict[str, dict[str, list[Run]]], targets: Sequence[str]) -> s
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="repeatable; default all")
-    parser.add_argument("--policy", action="append", choices=["strict", "adaptive"], help="default both")
+    parser.add_argument("--policy", action="append", choices=sorted(MODES), help="default strict and adaptive")
     parser.add_argument("--repeat", type=int, default=3, help="runs per cell, taken in turns (3)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
@@ -168,16 +228,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         vllm.start()
         vllm.wait_ready(VLLM_READY_PATHS, 600)
         version = get_json(f"{vllm.url}/version").get("version", "?")
-        for p in policies:
-            gateways[p] = gateway_server(vllm.url, logs / f"{p}.log", [*GATEWAY_ARGS, "--admission-policy", p])
-            gateways[p].start()
-            gateways[p].wait_ready(GATEWAY_READY_PATHS, 120)
+        for key, (p, n) in {gateway_key(p, n): (p, n) for p in policies for n in names}.items():
+            extra = WORKLOAD_GATEWAY_ARGS.get(n, ())
+            gateways[key] = gateway_server(vllm.url, logs / f"{key}.log", [*GATEWAY_ARGS, *MODES[p], *extra])
+            gateways[key].start()
+            gateways[key].wait_ready(GATEWAY_READY_PATHS, 120)
         for rep in range(args.repeat):
             for i, name in enumerate(names):
                 # Rotate the order each round: the first run of a round is not always the same target.
                 order = targets[rep % len(targets):] + targets[: rep % len(targets)]
                 for j, target in enumerate(order):
-                    base = vllm.url if target == "direct" else gateways[target].url
+                    base = vllm.url if target == "direct" else gateways[gateway_key(target, name)].url
                     seed = 1000 * rep + 10 * i + j
                     run = measure(vllm, WORKLOADS[name], base, model, seed)
                     results[name].setdefault(target, []).append(run)
@@ -188,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         vllm.stop()
     report = (f"vLLM {version} (CPU build), prefix caching on, 32-block KV cache; {args.repeat} runs per cell in "
               f"turns; command: `.venv/bin/python bench/prefix.py {' '.join(argv or sys.argv[1:])}`\n\n"
-              + table(results, targets))
+              + table(results, targets)
+              + ("\n\n" + overload_table(results["overload"], targets) if "overload" in results else ""))
     print(report)
     if args.out is not None:
         args.out.write_text(report + "\n", encoding="utf-8")

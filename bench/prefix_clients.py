@@ -9,10 +9,12 @@ import random
 import statistics
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
 from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.servers import SERVED_MODEL_NAME
 
@@ -126,3 +128,15 @@ async def n_sampling(base: str, seed: int, requests: int = 6, n: int = 4) -> Sta
         ))
     stats.wall = time.perf_counter() - stats.started
     return stats
+
+
+def gateway_refusals(base: str) -> dict[str, float]:
+    """The gateway's refusals so far by reason (``vllm_guard_rejections_total``); empty for vLLM itself."""
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10.0) as resp:
+        page = resp.read().decode()
+    return {
+        sample.labels["reason"]: sample.value
+        for family in text_string_to_metric_families(page)
+        for sample in family.samples
+        if sample.name == "vllm_guard_rejections_total"
+    }

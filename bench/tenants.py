@@ -1,13 +1,14 @@
 """Tenants benchmark: a tenant flooding long requests and a quiet one share a real vLLM (CPU build) through the
-gateway, with fair queueing on and off.
+gateway, with fair queueing and its headroom for active tenants, without the headroom, and in FIFO order.
 
 One invocation starts vLLM on the tiny model (prefix caching off) with a KV cache of 33 blocks of 128 tokens:
 32 for requests after vLLM's null block, so four flood requests of 1,024 tokens fill it exactly and nothing
-slips in beside them. It starts two gateways (``vllm-guard serve``) in front of it, one with
-``--fair-queueing on`` and one with ``--fair-queueing off`` (one queue by priority, FIFO within a priority), both
-reading the same keys file: key ``bench-flood`` is tenant ``flood``, key ``bench-quiet`` is tenant ``quiet``,
-weight 1 each. A third gateway (unless ``--flood-kv-share 0``) runs fair queueing with a ``kv_share`` limit on
-the flood tenant, which keeps part of the KV budget free for others. Per run, against one gateway:
+slips in beside them. It starts three gateways (``vllm-guard serve``) in front of it, all reading the same keys
+file (key ``bench-flood`` is tenant ``flood``, key ``bench-quiet`` is tenant ``quiet``, weight 1 each): ``fair``
+(``--fair-queueing on``, with its default ``--tenant-headroom on``), ``fair, no headroom`` (``--tenant-headroom
+off``) and ``FIFO`` (``--fair-queueing off``: one queue by priority, FIFO within a priority). With
+``--flood-kv-share`` a fourth runs fair queueing without the headroom and with a ``kv_share`` limit on the flood
+tenant, the static way to keep part of the KV budget free for others. Per run, against one gateway:
 
 - the flood: ``--flood-clients`` clients, each sending long streamed completions back to back (a closed loop,
   so the gateway's queue stays full of them), ``ignore_eos`` so each runs to its ``max_tokens``;
@@ -19,10 +20,12 @@ shared machine hits both alike): the quiet tenant's p50/p99 queue wait (the gate
 time to first token, each tenant's share of the tokens served (prompt + completion tokens of the requests
 finished while the quiet tenant was sending) and the total output tokens per second over that window; then the
 ratios to FIFO. Before every run the quiet tenant's TTFT is measured on the idle engine, through the same
-gateway, for the "within 2x of idle" comparison.
+gateway, for the "within 2x of idle" comparison. While the quiet tenant sends, ``/guard/status`` is read every
+``STATUS_INTERVAL_S``: the blocks each tenant holds and the quiet tenant's demand as the headroom counts it.
 
-    .venv/bin/python bench/tenants.py                      # 3 runs per mode, about 8 minutes
+    .venv/bin/python bench/tenants.py                      # 3 runs per mode, about 10 minutes
     .venv/bin/python bench/tenants.py --repeat 5 --duration 40 --out /tmp/tenants.md
+    .venv/bin/python bench/tenants.py --kv-blocks 129 --flood-clients 48   # a cache four times larger
 """
 
 from __future__ import annotations
@@ -63,10 +66,12 @@ from tests.e2e.servers import (  # noqa: E402
 )
 
 BLOCK_TOKENS = 128
-KV_BLOCKS = 33  # vLLM keeps one as its null block: 32 for requests
+KV_BLOCKS = 33  # the default cache; vLLM keeps one as its null block: 32 for requests
 TOKEN_BYTES = 1024  # the tiny model: 2 (K, V) x 1 KV head x 64 dims x 4 bytes x 2 layers
 KEYS = {"flood": "bench-flood", "quiet": "bench-quiet"}
+NO_HEADROOM_MODE = "fair, no headroom"
 SHARE_MODE = "fair + kv_share"
+STATUS_INTERVAL_S = 0.25
 GATEWAY_ARGS = ("--queue-timeout", "600", "--max-queue", "1024")
 
 
@@ -83,6 +88,7 @@ class Options:
     idle_samples: int
     timeout_s: float
     flood_kv_share: float
+    kv_blocks: int = KV_BLOCKS
 
 
 @dataclass
@@ -104,6 +110,7 @@ class Run:
     answers: list[Answer]
     window: tuple[float, float]  # while the quiet tenant was sending
     idle_ttft_s: float | None
+    tenants: list[dict[str, dict[str, float]]]  # ``/guard/status``'s tenants, read through the window
 
     def quiet(self) -> list[Answer]:
         return [a for a in self.answers if a.tenant == "quiet" and a.ok]
@@ -120,6 +127,8 @@ class Run:
         tokens = {t: sum(a.prompt_tokens + a.completion_tokens for a in served if a.tenant == t) for t in KEYS}
         total = sum(tokens.values())
         seconds = self.window[1] - self.window[0]
+        flood_held = [s["flood"]["held_blocks"] for s in self.tenants if "flood" in s]
+        quiet_demand = [s["quiet"]["demand_blocks"] for s in self.tenants if "quiet" in s]
         return {
             "quiet p50 queue wait (s)": nearest_rank(waits, 0.50),
             "quiet p99 queue wait (s)": nearest_rank(waits, 0.99),
@@ -129,6 +138,8 @@ class Run:
             "flood share of tokens served": tokens["flood"] / total if total else None,
             "quiet share of tokens served": tokens["quiet"] / total if total else None,
             "output tokens/s (both tenants)": sum(a.completion_tokens for a in served) / seconds,
+            "flood blocks held, mean": statistics.mean(flood_held) if flood_held else None,
+            "quiet demand (blocks), most seen": max(quiet_demand) if quiet_demand else None,
             "quiet requests answered": float(len(quiet)),
             "failed requests": float(sum(not a.ok for a in self.answers)),
         }
@@ -205,18 +216,30 @@ async def contend(base: str, mode: str, opts: Options, seed: int) -> Run:
             prompt = token_ids(opts.quiet_prompt, seed=next(sequence))
             answers.append(await complete(session, base, "quiet", prompt, opts.quiet_max_tokens))
 
+        tenants: list[dict[str, dict[str, float]]] = []
+
+        async def watch() -> None:
+            headers = {"authorization": f"Bearer {KEYS['quiet']}"}
+            while True:
+                async with session.get(f"{base}/guard/status", headers=headers) as resp:
+                    tenants.append((await resp.json())["tenants"])
+                await asyncio.sleep(STATUS_INTERVAL_S)
+
         flood = [asyncio.create_task(flood_client()) for _ in range(opts.flood_clients)]
         await asyncio.sleep(opts.warmup_s)
         start = time.monotonic()
+        watcher = asyncio.create_task(watch())
         trickle: list[asyncio.Task[None]] = []
         while time.monotonic() < start + opts.duration_s:
             trickle.append(asyncio.create_task(quiet_one()))
             await asyncio.sleep(opts.quiet_interval_s)
         end = time.monotonic()
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
         await asyncio.gather(*trickle)
         stop.set()
         await asyncio.gather(*flood)
-    return Run(mode, answers, (start, end), idle)
+    return Run(mode, answers, (start, end), idle, tenants)
 
 
 # -- servers and the report ----------------------------------------------------------------------------
@@ -243,12 +266,14 @@ def keys_file(path: Path, flood_kv_share: float | None = None) -> Path:
     return path
 
 
-def modes(folder: Path, flood_kv_share: float) -> dict[str, tuple[str, Path]]:
-    """Each mode's ``--fair-queueing`` flag and keys file."""
+def modes(folder: Path, flood_kv_share: float) -> dict[str, tuple[list[str], Path]]:
+    """Each mode's queueing flags and keys file."""
     plain = keys_file(folder / "keys.yaml")
-    out = {"fair": ("on", plain), "FIFO": ("off", plain)}
+    no_headroom = ["--fair-queueing", "on", "--tenant-headroom", "off"]
+    out = {"fair": (["--fair-queueing", "on"], plain), NO_HEADROOM_MODE: (no_headroom, plain),
+           "FIFO": (["--fair-queueing", "off"], plain)}
     if flood_kv_share:
-        out[SHARE_MODE] = ("on", keys_file(folder / "keys-share.yaml", flood_kv_share))
+        out[SHARE_MODE] = (no_headroom, keys_file(folder / "keys-share.yaml", flood_kv_share))
     return out
 
 
@@ -298,10 +323,11 @@ def render(argv: Sequence[str], runs: dict[str, list[Run]], opts: Options, versi
         f"Flood: {opts.flood_clients} clients back to back, {opts.flood_prompt} prompt tokens, max_tokens "
         f"{opts.flood_max_tokens} (ignore_eos). Quiet: one request every {opts.quiet_interval_s:g} s for "
         f"{opts.duration_s:g} s, {opts.quiet_prompt} prompt tokens, max_tokens {opts.quiet_max_tokens}. "
-        f"vLLM KV cache: {KV_BLOCKS} blocks of {BLOCK_TOKENS} tokens, prefix caching off. "
-        f"Modes: fair = `--fair-queueing on`, FIFO = `--fair-queueing off`"
-        + (f", {SHARE_MODE} = fair with `limits: {{kv_share: {opts.flood_kv_share:g}}}` on the flood tenant"
-           if SHARE_MODE in runs else "") + ".",
+        f"vLLM KV cache: {opts.kv_blocks} blocks of {BLOCK_TOKENS} tokens, prefix caching off. "
+        "Modes: fair = `--fair-queueing on` (headroom for active tenants on, the default), "
+        f"{NO_HEADROOM_MODE} = `--fair-queueing on --tenant-headroom off`, FIFO = `--fair-queueing off`"
+        + (f", {SHARE_MODE} = {NO_HEADROOM_MODE} with `limits: {{kv_share: {opts.flood_kv_share:g}}}` on the "
+           "flood tenant" if SHARE_MODE in runs else "") + ".",
         "",
         "| | " + " | ".join(table) + " | " + " | ".join(f"{m} / FIFO" for m in compared) + " |",
         "|---|" + "---:|" * (len(table) + len(compared)),
@@ -328,26 +354,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--idle-samples", type=int, default=5, help="quiet requests on the idle engine per run (5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (600)")
     parser.add_argument(
-        "--flood-kv-share", type=float, default=0.75,
-        help="also run fair queueing with this kv_share limit on the flood tenant (0.75; 0: not run)",
+        "--flood-kv-share", type=float, default=0.0,
+        help="also run fair queueing without headroom, with this kv_share limit on the flood tenant (0: not run)",
+    )
+    parser.add_argument(
+        "--kv-blocks", type=int, default=KV_BLOCKS,
+        help=f"vLLM's KV cache in blocks of {BLOCK_TOKENS} tokens, its null block included ({KV_BLOCKS})",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
     opts = Options(
         args.duration, args.warmup, args.flood_clients, args.flood_prompt, args.flood_max_tokens, args.quiet_prompt,
         args.quiet_max_tokens, args.quiet_interval, args.idle_samples, args.timeout, args.flood_kv_share,
+        args.kv_blocks,
     )
     logs = Path(tempfile.mkdtemp(prefix="tenants-logs-"))
     print(f"tenants: logs in {logs}", file=sys.stderr)
     model = ensure_tiny_model(DEFAULT_MAX_MODEL_LEN)
     vllm = vllm_server(
-        model, logs / "vllm.log", kv_cache_memory_bytes=KV_BLOCKS * BLOCK_TOKENS * TOKEN_BYTES,
+        model, logs / "vllm.log", kv_cache_memory_bytes=opts.kv_blocks * BLOCK_TOKENS * TOKEN_BYTES,
         extra_args=["--no-enable-prefix-caching"],
     )
     gateways = {
-        mode: gateway_server(vllm.url, logs / f"gateway-{mode.replace(' ', '')}.log",
-                             [*GATEWAY_ARGS, "--keys-file", str(keys), "--fair-queueing", flag], name=mode)
-        for mode, (flag, keys) in modes(logs, args.flood_kv_share).items()
+        mode: gateway_server(vllm.url, logs / f"gateway-{mode.replace(' ', '').replace(',', '-')}.log",
+                             [*GATEWAY_ARGS, "--keys-file", str(keys), *flags], name=mode)
+        for mode, (flags, keys) in modes(logs, args.flood_kv_share).items()
     }
     runs: dict[str, list[Run]] = {mode: [] for mode in gateways}
     try:

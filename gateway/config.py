@@ -98,6 +98,11 @@ class Settings(BaseSettings):
     queue_timeout: float = Field(
         30.0, gt=0, description="Seconds a request may wait in the queue before a 503."
     )
+    shed_early: Literal["on", "off"] = Field(
+        "on", description="on: a queued request forecast to wait past --queue-timeout (from the KV blocks waiting "
+        "ahead of it and the rate the engine frees blocks) is refused at once with 503 and that wait as "
+        "Retry-After; off: it waits until the timeout."
+    )
     max_concurrency: int | None = Field(
         None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."
     )
@@ -107,6 +112,16 @@ class Settings(BaseSettings):
     fair_queueing: Literal["on", "off"] = Field(
         "on", description="on: the queue serves tenants by weighted fair share of tokens served, priorities within "
         "a tenant; off: one queue by priority, FIFO within a priority."
+    )
+    tenant_headroom: Literal["on", "off"] = Field(
+        "on", description="on (with fair queueing): while two or more tenants are active (sent a request in the last "
+        "30 s), a request leaves free the KV blocks each other one recently held and asked for, up to its weighted "
+        "fair share; off: a tenant may take every free block."
+    )
+    time_aware: Literal["on", "off"] = Field(
+        "off", description="on: strict also admits when the peak of the engine's usage over the coming steps fits the "
+        "budget, the streamed requests in flight ending in turn and the new one growing a token a step (not with "
+        "speculative decoding); off: every request in flight counts at its full size at once."
     )
     scrape_interval: float = Field(
         0.25, gt=0, description="Seconds between scrapes of the engine's /metrics."

@@ -139,6 +139,14 @@ class QueueTimeout(GatewayError):
     reason = "queue_timeout"
 
 
+class QueueTimeoutExpected(QueueTimeout):
+    """Queued, and forecast to wait past its queue timeout: refused at once rather than at the deadline. A 503
+    like the timeout it stands for (the gateway lacks capacity; the queue had room, so no rate limit was hit)."""
+
+    code = "queue_timeout_expected"
+    reason = "queue_timeout_expected"
+
+
 class UpstreamUnavailable(GatewayError):
     """The upstream cannot be reached, or is starting, restarting, draining or down."""
 

@@ -202,6 +202,11 @@ class Metrics:
             "vllm_guard_tenant_limits_degraded",
             "1 while Redis (--redis-url) is unreachable and each replica enforces tenant limits alone.", registry=r,
         )
+        self.tenant_headroom_blocks = Gauge(
+            "vllm_guard_tenant_headroom_blocks",
+            "KV blocks the other tenants' requests leave free for this tenant's recent demand (--tenant-headroom).",
+            ["tenant"], registry=r,
+        )
         self.keys_reloads = Counter(
             "vllm_guard_keys_file_reloads_total", "Reloads of the keys file, by outcome (ok, error).", ["outcome"],
             registry=r,
@@ -322,6 +327,9 @@ class Metrics:
 
     def record_tenant_limits_degraded(self, degraded: bool) -> None:
         self.tenant_limits_degraded.set(1 if degraded else 0)
+
+    def record_tenant_headroom(self, tenant: str, blocks: int) -> None:
+        self.tenant_headroom_blocks.labels(tenant).set(blocks)
 
     def record_keys_reload(self, ok: bool) -> None:
         self.keys_reloads.labels("ok" if ok else "error").inc()

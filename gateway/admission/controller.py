@@ -20,7 +20,9 @@ from typing import Any
 from gateway import errors
 from gateway.admission import refusals
 from gateway.admission.books import Books
+from gateway.admission.forecast import Forecast
 from gateway.admission.gauges import LoadGauges
+from gateway.admission.headroom import Headroom
 from gateway.admission.kv_view import KvView, foreign_sequences
 from gateway.admission.ledger import Capacity, fit_output, too_large_message
 from gateway.admission.policy import Policy
@@ -60,10 +62,13 @@ class Admission:
         self._idle = asyncio.Event()
         self._idle.set()
         self._drain = Drain()
+        self._forecast = Forecast(enabled=settings.shed_early == "on", timeout=settings.queue_timeout, clock=clock)
         self._projector = Projector(credit_window=2 * settings.scrape_interval)
         self._checkpoint_spacing = settings.scrape_interval / 4
         self._gauges = LoadGauges(metrics)
-        self._policy = Policy(settings, self._kv, self._books, self._projector)
+        on = settings.fair_queueing == "on" and settings.tenant_headroom == "on"
+        self._headroom = Headroom(enabled=on, clock=clock, record=metrics.record_tenant_headroom)
+        self._policy = Policy(settings, self._kv, self._books, self._projector, self._headroom)
         cap = self._kv.capacity()
         self._block_size = cap.block_size if cap else (settings.block_size or DEFAULT_BLOCK_SIZE)
         self._sharing = self._kv.prefix_sharing()
@@ -175,16 +180,19 @@ class Admission:
             "foreign_sequences": self._foreign,
             "live_used_blocks": self._kv.live_used(cap),
             "projected_blocks": projected,
+            "time_aware": self._policy.time_aware.status(self._in_flight, self._queue.head(), self._block_size),
             "admit_limit_blocks": self._policy.admit_limit(budget, projected),
             "in_flight": len(self._in_flight),
             "max_concurrency": self._settings.max_concurrency,
             "queued": len(self._queue),
             "queued_by_priority": {str(p): c for p, c in sorted(self._queue.depth.items(), reverse=True)},
-            "fair_queueing": self._queue.fair, "tenants": self._queue.tenants(),
+            "fair_queueing": self._queue.fair, "tenants": self._headroom.annotate(self._queue.tenants(), budget),
+            "tenant_headroom": self._headroom.enabled,
             "max_queue": self._settings.max_queue,
             "optimism": round(self._projector.optimism.value, 4),
             "output_estimate_tokens": self._projector.outputs.longest(),
             "drain_rate_per_s": None if rate is None else round(rate, 3),
+            "forecast": self._forecast.status(),
             "engine": self._kv.engine_status(),
         }
 
@@ -198,6 +206,7 @@ class Admission:
         self._publish_kv()
         self._publish_load()
         self._kv.publish_freshness()
+        self._headroom.publish(self.budget_blocks())
 
     # -- the reservation's side (``Admitter``) ------------------------------------------------------
     async def enter(self, r: Reservation) -> None:
@@ -212,6 +221,7 @@ class Admission:
             raise errors.KVBudgetExceeded(self._too_large_message(r, cap))
         now = self._clock()
         r.enqueue()
+        self._headroom.arrive(r)
         self._queue.push(r, now, now + self._settings.queue_timeout)
         self._pump()
         if r.admitted:
@@ -232,7 +242,10 @@ class Admission:
         if r.phase is Phase.ADMITTED:
             r.finish()
             self._queue.served(r, output_tokens=r.generated)
+            held = self._books.committed
             self._books.release(r)
+            self._forecast.released(held - self._books.committed)
+            self._headroom.release(r)
             self._in_flight.discard(r)
             self._drain.note(self._clock())
             output = r.completed_output
@@ -268,6 +281,10 @@ class Admission:
                 if chosen is None:
                     break
                 self._admit(chosen, cap)
+            if cap is not None:  # refused now rather than at the deadline: forecast to wait past it
+                for late in self._forecast.late(self._queue.backlog(), budget - self.committed, len(self._in_flight)):
+                    self._fail(late.item, refusals.queue_timeout_expected(late, self._settings.queue_timeout))
+        self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)
         self._publish_load()
 
     def _admit(self, r: Reservation, cap: Capacity | None) -> None:
@@ -277,6 +294,7 @@ class Admission:
         waited = max(0.0, self._clock() - enqueued_at)
         r.admit(waited)
         self._books.commit(r)
+        self._headroom.commit(r)
         self._queue.served(r, prompt_tokens=r.prompt_tokens)
         self._in_flight.add(r)
         self._idle.clear()
@@ -284,6 +302,7 @@ class Admission:
 
     def _dequeue(self, r: Reservation) -> None:
         self._queue.remove(r)
+        self._headroom.dequeued(r)
         self._timer.stop_if_empty()
 
     def _fail(self, r: Reservation, err: errors.GatewayError) -> None:

@@ -1,8 +1,10 @@
 """The admission policy: whether one more request fits now.
 
-``strict`` admits while the books (``committed + need``) stay within the budget. ``adaptive`` admits whenever
+``strict`` admits while the books (``committed + need``) stay within the budget, or, with ``--time-aware on``,
+the peak of the usage as the requests in flight end in turn does (``timeline``). ``adaptive`` admits whenever
 strict would and, while the engine's metrics are fresh, as far as the projection of what the admitted requests
-will still grow by leaves room. Both honour ``--max-concurrency``. One pass over the queue computes the
+will still grow by leaves room. Both honour ``--max-concurrency``, and leave the room other active tenants keep
+(``headroom``). One pass over the queue computes the
 projection once and adds each admitted request's growth to it."""
 
 from __future__ import annotations
@@ -10,24 +12,31 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from gateway.admission.books import Books
+from gateway.admission.headroom import Headroom
 from gateway.admission.kv_view import KvView
 from gateway.admission.ledger import Capacity
 from gateway.admission.projection import Projector, growth, project
 from gateway.admission.reservation import Reservation
+from gateway.admission.timeline import TimeAware
 from gateway.config import Settings
 
 
 class Policy:
-    def __init__(self, settings: Settings, kv: KvView, books: Books, projector: Projector) -> None:
+    def __init__(
+        self, settings: Settings, kv: KvView, books: Books, projector: Projector, headroom: Headroom | None = None
+    ) -> None:
         self._settings = settings
+        self._headroom = headroom if headroom is not None else Headroom(enabled=False)
         self._kv = kv
         self._books = books
         self._projector = projector
         self._projected: int | None = None  # the projection while a pass over the queue needs it
+        self.time_aware = TimeAware(settings.time_aware == "on")  # the peak as requests end in turn (``timeline``)
 
     def begin_pass(self) -> None:
         """Forget the projection: the engine, the books or the requests in flight moved since the last pass."""
         self._projected = None
+        self.time_aware.begin_pass()
 
     def fits(self, r: Reservation, cap: Capacity | None, budget: int, in_flight: Collection[Reservation]) -> bool:
         limit = self._settings.max_concurrency
@@ -38,7 +47,8 @@ class Policy:
         self._books.quote(r)
         if r.blocks > budget:
             return False
-        if self._books.committed + r.blocks <= budget:
+        budget -= self._headroom.reserved(r, budget)  # the room the other active tenants keep (``headroom``)
+        if self._books.committed + r.blocks <= budget or self.time_aware.fits(r, in_flight, cap.block_size, budget):
             return True
         if not self._live():
             return False
@@ -49,6 +59,7 @@ class Policy:
 
     def admitted(self, r: Reservation, cap: Capacity | None) -> None:
         """Count ``r``'s growth into the projection of the pass under way."""
+        self.time_aware.admitted(r)
         if self._projected is not None and cap is not None:
             self._projected += growth(r, cap.block_size, self._projector.outlook())
 

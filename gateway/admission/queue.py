@@ -164,6 +164,16 @@ class WaitQueue(Generic[W]):
         total = sum(self.shares.weight(name) for name in self._lanes)
         return math.ceil((ahead + 1) * total / own) - 1
 
+    def backlog(self) -> Iterator[tuple[str, float, W, float]]:
+        """Every waiting request as ``(lane, share, request, deadline)``, each lane in its order; ``share`` is the
+        fraction of admissions the lane gets while the lanes now waiting compete, by weight (1 with one lane),
+        as ``position`` counts the other tenants' turns."""
+        total = sum(self.shares.weight(name) for name in self._lanes) if len(self._lanes) > 1 else 0.0
+        for lane in self._order():
+            share = self.shares.weight(lane.name) / total if total else 1.0
+            for e in lane.entries:
+                yield lane.name, share, e.item, e.deadline
+
     def enqueued_at(self, item: W) -> float:
         return self._by_item[item].enqueued_at
 

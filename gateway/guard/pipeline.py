@@ -165,7 +165,7 @@ async def exchange_with_engine(
 
 # -- small stages ---------------------------------------------------------------------------------
 def record_refusal(parts: Parts, route: str, exc: GatewayError) -> None:
-    if exc.reason is not None and (exc.client_fault or exc.reason == "queue_timeout"):
+    if exc.reason is not None and (exc.client_fault or exc.reason in ("queue_timeout", "queue_timeout_expected")):
         parts.metrics.record_rejection(exc.reason)
     parts.metrics.record_request(route, "rejected" if exc.client_fault else "error")
 

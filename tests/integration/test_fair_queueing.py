@@ -151,3 +151,67 @@ async def test_tenants_named_by_the_keys_file_take_turns_over_http(
             await asyncio.gather(*sent)
     # Which flood request reaches the gateway first is the network's choice: compare tenants, not requests.
     assert [name[0] for name in finished] == ["f", "q", "q", "q", "f", "f", "f", "f", "f"]
+
+
+# -- the headroom for active tenants -----------------------------------------------------------------------
+BLOCK = 16  # the simulator's block size; its 32 blocks hold four flood requests of 8 blocks
+FLOOD_BLOCKS = 8
+AT_ONCE = 0.05  # seconds: the gateway's own time, where a wait for a flood request to end takes ~1 s
+
+
+@pytest.fixture
+def slow_sim(tokenizer: Any, tokenizer_dir: Path) -> Iterator[SimServer]:
+    """32 blocks of 16 tokens, no prefix caching, and tokens slow enough that a flood request lasts ~1 s."""
+    config = SimConfig(model="tiny", root=str(tokenizer_dir), tokenizer=tokenizer, max_model_len=512,
+                       token_delay=0.01, prefix_caching=False)
+    with run_sim_server(config) as server:
+        yield server
+
+
+async def sized(parts: Parts, tenant: str, name: str, blocks: int) -> float:
+    """A completion booking exactly ``blocks`` blocks, as ``tenant``; returns the seconds it queued."""
+    prompt = [10 + len(name) + i for i in range(BLOCK // 2 - len(name))] + [ord(c) for c in name]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": blocks * BLOCK - len(prompt), "ignore_eos": True}
+    ctx = RequestContext(name, "completions", "/v1/completions", body, tenant=tenant)
+    queue_ms = None
+    async for reply in handle(parts, ctx):
+        queue_ms = float(reply.headers["x-guard-queue-ms"])
+    assert queue_ms is not None
+    return queue_ms / 1000
+
+
+@pytest.mark.parametrize(("headroom", "flood_in_flight"), [("on", 3), ("off", 4)])
+async def test_a_quiet_tenant_is_admitted_at_once_while_a_flood_keeps_the_engine_busy(
+    base_settings: Settings, slow_sim: SimServer, headroom: str, flood_in_flight: int
+) -> None:
+    with run_gateway(base_settings, upstream=slow_sim.url, admission_policy="strict", tenant_headroom=headroom) as gw:
+
+        def send(tenant: str, name: str, blocks: int) -> asyncio.Future[float]:
+            return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(sized(gw.parts, tenant, name, blocks), gw.loop))
+
+        assert await send("quiet", "q0", 1) < AT_ONCE  # the quiet tenant is active from now on
+        flood = [send("flood", f"f{i}", FLOOD_BLOCKS) for i in range(6)]
+        await until(lambda: gw.status()["queued"] == 6 - flood_in_flight, "the flood fills the engine")
+        status = gw.status()
+        assert (status["in_flight"], status["committed_blocks"]) == (flood_in_flight, flood_in_flight * FLOOD_BLOCKS)
+        assert status["tenants"]["quiet"]["headroom_blocks"] == (1 if headroom == "on" else 0)
+        waited = await send("quiet", "q1", 1)
+        if headroom == "on":
+            assert waited < AT_ONCE and gw.status()["queued"] > 0  # while the flood still waits
+        else:
+            assert waited > 5 * AT_ONCE  # until a flood request ended (each lasts ~1 s)
+        await asyncio.gather(*flood)
+
+
+async def test_a_lone_tenant_still_uses_the_whole_budget(base_settings: Settings, slow_sim: SimServer) -> None:
+    with run_gateway(base_settings, upstream=slow_sim.url, admission_policy="strict") as gw:
+        flood = [
+            asyncio.wrap_future(asyncio.run_coroutine_threadsafe(sized(gw.parts, "flood", f"f{i}", FLOOD_BLOCKS),
+                                                                 gw.loop))
+            for i in range(6)
+        ]
+        await until(lambda: gw.status()["queued"] == 2, "the flood fills the engine")
+        status = gw.status()
+        assert status["committed_blocks"] == status["budget_blocks"] == 4 * FLOOD_BLOCKS
+        assert status["tenant_headroom"] is True and status["tenants"]["flood"]["headroom_blocks"] == 0
+        await asyncio.gather(*flood)

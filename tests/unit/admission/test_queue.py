@@ -167,14 +167,22 @@ async def test_status_shows_each_tenants_weight_counter_and_queued_requests() ->
     waiting = [enter(tenant_req(rig, "b", 0.5)), enter(tenant_req(rig, "b", 0.5))]
     await settle()
     holder.observe_output_tokens(5)
+    # The headroom's figures (``test_headroom_controller``): the blocks each holds, its recent demand, and the
+    # blocks kept free for it, up to its fair share (a: 8 of the 10 blocks, b: 2).
     assert rig.adm.status()["tenants"] == {
-        "a": {"weight": 2.0, "counter": 5.0, "queued": 0},  # the prompt's 10 tokens over weight 2
-        "b": {"weight": 0.5, "counter": 5.0, "queued": 2},  # lifted to the waiting tenants' smallest: a's
+        "a": {"weight": 2.0, "counter": 5.0, "queued": 0,  # the prompt's 10 tokens over weight 2
+              "active": True, "held_blocks": 1, "demand_blocks": 1, "headroom_blocks": 0},
+        "b": {"weight": 0.5, "counter": 5.0, "queued": 2,  # lifted to the waiting tenants' smallest: a's
+              "active": True, "held_blocks": 0, "demand_blocks": 2, "headroom_blocks": 2},
     }
     holder.release()  # the output is charged when the request ends: 5 tokens x 2 / 2
     await settle()
-    assert rig.adm.status()["tenants"]["a"] == {"weight": 2.0, "counter": 10.0, "queued": 0}
-    assert rig.adm.status()["tenants"]["b"] == {"weight": 0.5, "counter": 21.0, "queued": 1}
+    assert rig.adm.status()["tenants"]["a"] == {"weight": 2.0, "counter": 10.0, "queued": 0,
+                                                "active": True, "held_blocks": 0, "demand_blocks": 1,
+                                                "headroom_blocks": 1}
+    assert rig.adm.status()["tenants"]["b"] == {"weight": 0.5, "counter": 21.0, "queued": 1,
+                                                "active": True, "held_blocks": 1, "demand_blocks": 2,
+                                                "headroom_blocks": 1}
     for t in waiting:
         (await t).release()
         await settle()
