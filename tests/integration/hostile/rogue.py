@@ -35,7 +35,7 @@ SILENCE_S = 2.5
 # Each names one way an upstream misbehaves on a generation (or pass-through) request.
 MODES = (
     "ok", "reset", "close", "hang", "garbage", "not_http", "json_array", "json_scalar", "json_null", "empty_200",
-    "gzip", "truncated", "bad_chunked", "huge_header", "broken_stream", "split_stream", "crlf_stream",
+    "gzip", "truncated", "bad_chunked", "bad_chunk_late", "huge_header", "broken_stream", "split_stream", "crlf_stream",
     "stream_no_done", "stream_json", "slow_stream", "error_503", "error_429", "error_405", "error_500_text",
     "error_400_flat",
 )
@@ -232,8 +232,14 @@ async def _answer(writer: asyncio.StreamWriter, req: Request) -> bool:
     if mode == "not_http":
         writer.write(b"SSH-2.0-OpenSSH_9.6\r\nnot an HTTP answer at all\r\n\r\n")
         return False
-    if mode == "bad_chunked":
-        writer.write(_head(200, [("content-type", "application/json"), ("transfer-encoding", "chunked")]))
+    if mode in ("bad_chunked", "bad_chunk_late"):
+        head = _head(200, [("content-type", "application/json"), ("transfer-encoding", "chunked")])
+        if mode == "bad_chunked":  # in one write: the client reads the bad chunk together with the head
+            writer.write(head + b"zz\r\nnot a chunk\r\n")
+            return False
+        writer.write(head)  # the head alone first, then the bad chunk: the client has returned the response
+        await writer.drain()
+        await asyncio.sleep(0.2)
         writer.write(b"zz\r\nnot a chunk\r\n")
         return False
     if mode == "huge_header":
