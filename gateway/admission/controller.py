@@ -281,7 +281,7 @@ class Admission:
                 if chosen is None:
                     break
                 self._admit(chosen, cap)
-            if cap is not None:  # refused now rather than at the deadline: forecast to wait past it
+            if cap is not None and self._queue:  # refused now rather than at the deadline: forecast to wait past it
                 for late in self._forecast.late(self._queue.backlog(), budget - self.committed, len(self._in_flight)):
                     self._fail(late.item, refusals.queue_timeout_expected(late, self._settings.queue_timeout))
         self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)

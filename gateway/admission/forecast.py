@@ -74,6 +74,7 @@ class ReleaseRate:
     def __init__(self, window: float = WINDOW_SECONDS) -> None:
         self._window = window
         self._releases: deque[_Release] = deque()
+        self._blocks = 0  # the blocks of ``_releases``: kept as they come and go, since every pass reads the rate
         self._backlog_total = 0.0  # seconds of backlog before ``_since``
         self._since: float | None = None  # start of the backlog under way; None: none under way
 
@@ -90,25 +91,27 @@ class ReleaseRate:
         if self._since is None or blocks <= 0:
             return
         self._releases.append(_Release(now, self._clock(now), blocks))
+        self._blocks += blocks
         self._prune(now)
 
     def rate(self, now: float) -> tuple[float, int] | None:
         """Blocks per second of backlog and the releases it rests on; None before two releases a moment apart."""
-        window = [r for r in self._releases if r.at >= now - self._window]
-        if len(window) < 2:
+        self._prune(now)
+        releases = self._releases
+        if len(releases) < 2:
             return None
-        span = window[-1].backlog - window[0].backlog
+        span = releases[-1].backlog - releases[0].backlog
         if span <= 0:
             return None
         # The first release opens the span, so its blocks were freed before it: counted out.
-        return sum(r.blocks for r in window[1:]) / span, len(window)
+        return (self._blocks - releases[0].blocks) / span, len(releases)
 
     def _clock(self, now: float) -> float:
         return self._backlog_total + (now - self._since if self._since is not None else 0.0)
 
     def _prune(self, now: float) -> None:
         while self._releases and self._releases[0].at < now - self._window:
-            self._releases.popleft()
+            self._blocks -= self._releases.popleft().blocks
 
 
 def speedup_margin(releases: int) -> float:
