@@ -29,7 +29,8 @@ still answers: vLLM publishes its gauges only when it steps, so requests aborted
 **Hung** after the whole bound without progress: ``/health`` answers 503 (state ``hung``), new requests get
 503 ``upstream_hung`` with ``Retry-After`` at once, requests in flight are cut (a stream with an error event,
 others with the 503). While hung a probe goes out every third of the bound; the engine rejoins when one is
-answered or its metrics move again (a restarted engine's counters start again from zero: movement too).
+answered or its metrics move again (a restarted engine's counters start again from zero: movement too); chunks
+the cut streams still read from their buffers are not movement.
 
 The detector runs in proxy mode only. A managed engine has the supervisor's watchdog, whose cure is a restart
 (``gateway/managed/watchdog.py``); the detector there is built but not started, and never reports a hang.
@@ -177,7 +178,9 @@ class ProgressDetector:
     # -- the judgement ---------------------------------------------------------------------------------
     def tick(self) -> None:
         now = self._clock()
-        progressed = self._moved or self._events != self._events_seen
+        # While hung no new stream opens: chunks then are what the cut streams had buffered before the freeze
+        # (read after the cut), not movement.
+        progressed = self._moved or (not self.hung and self._events != self._events_seen)
         self._moved, self._events_seen = False, self._events
         if progressed:
             self._since = now

@@ -190,6 +190,16 @@ def test_a_hung_engine_rejoins_when_it_moves_again(case: str, moves: dict[str, f
     assert e.hung_gauge() == 0.0 and e.detector.hangs == 1
 
 
+def test_chunks_read_by_the_cut_streams_after_the_declaration_do_not_rejoin() -> None:
+    e = Engine()
+    e.detector.opened()
+    e.after(TIMEOUT + 1)
+    assert e.detector.hung
+    e.detector.stream_moved()  # buffered before the freeze, read after the cut
+    e.after(TIMEOUT)
+    assert e.detector.hung and e.detector.hangs == 1
+
+
 def test_watchers_are_cut_once_when_the_hang_is_declared() -> None:
     e = Engine()
     cut: list[UpstreamHung] = []
