@@ -7,12 +7,8 @@ environment itself.
 
 from __future__ import annotations
 
-import shlex
-import tomllib
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -41,7 +37,11 @@ class Settings(BaseSettings):
     )
 
     # -- where things are -------------------------------------------------------------------------
-    upstream: str = Field("http://127.0.0.1:8000", description="Base URL of the vLLM server to guard.")
+    upstream: list[str] = Field(
+        ["http://127.0.0.1:8000"],
+        description="Base URL of the vLLM server to guard; repeat it (or separate with commas) for several servers "
+        "serving the same model.",
+    )
     host: str = Field("0.0.0.0", description="Address the gateway listens on.")
     port: int = Field(8080, ge=1, le=65535, description="Port the gateway listens on.")
     tokenizer: str | None = Field(
@@ -282,12 +282,24 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _upstream_list(cls, v: Any) -> Any:
+        # One URL, or several separated by commas (a config file's or a caller's plain string).
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
+
     @field_validator("upstream")
     @classmethod
-    def _strip_slash(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError(f"upstream must be an http(s) URL, got {redact_url(v)!r}")
-        return v.rstrip("/")
+    def _strip_slash(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("--upstream needs at least one URL")
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"upstream must be an http(s) URL, got {redact_url(url)!r}")
+        urls = [url.rstrip("/") for url in v]
+        if len(set(urls)) != len(urls):
+            raise ValueError("--upstream names the same server twice")
+        return urls
 
     @model_validator(mode="before")
     @classmethod
@@ -317,7 +329,9 @@ class Settings(BaseSettings):
             )
         for key in self.api_key:
             _split_key(key)
-        if self.upstream_api_key and not self.managed and url_has_credentials(self.upstream):
+        if self.managed and len(self.upstream) > 1:
+            raise ValueError("--managed runs one engine: give no second --upstream")
+        if self.upstream_api_key and not self.managed and any(url_has_credentials(u) for u in self.upstream):
             # Both would be the one Authorization header (Basic from the URL, Bearer from the key).
             raise ValueError("--upstream carries credentials and --upstream-api-key is set: give only one")
         return self
@@ -349,48 +363,3 @@ def _split_key(spec: str) -> tuple[str, int]:
     except ValueError:
         # An '=' inside a key without a number after it is part of the key.
         return spec, 0
-
-
-def load_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or TOML config file into field values (keys with '-' or '_' both accepted)."""
-    p = Path(path)
-    text = p.read_text(encoding="utf-8")
-    data: Any = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"config file {p} must hold a mapping, not {type(data).__name__}")
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
-
-
-def build_settings(
-    flags: dict[str, Any], file_values: dict[str, Any] | None = None, env: dict[str, str] | None = None
-) -> Settings:
-    """Merge the sources: flags over environment over file over defaults.
-
-    ``env`` is passed in by the caller (the CLI hands ``os.environ``) so that this module stays pure.
-    """
-    merged: dict[str, Any] = dict(file_values or {})
-    merged.update(_env_values(env or {}))
-    merged.update({k: v for k, v in flags.items() if v is not None})
-    return Settings.model_validate(merged)
-
-
-def _env_values(env: dict[str, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    list_fields = {n for n, f in Settings.model_fields.items() if f.annotation == list[str]}
-    for name in Settings.model_fields:
-        raw = env.get(ENV_PREFIX + name.upper())
-        if raw is None:
-            continue
-        if name in list_fields:
-            # Comma-separated, or a JSON list; vllm_args is split like a shell line.
-            if name == "vllm_args":
-                out[name] = shlex.split(raw)
-            elif raw.lstrip().startswith("["):
-                out[name] = yaml.safe_load(raw)
-            else:
-                out[name] = [p.strip() for p in raw.split(",") if p.strip()]
-        else:
-            out[name] = raw
-    return out

@@ -105,6 +105,24 @@ class Metrics:
         self.kv_shared = Gauge(
             "vllm_guard_kv_shared_blocks", "Prompt blocks held by admitted requests, each counted once.", registry=r
         )
+        # -- each engine, when the gateway guards several (label ``engine``: one per engine, bounded) ---------
+        self.engine_committed = Gauge(
+            "vllm_guard_engine_committed_blocks", "Blocks reserved on each engine.", ["engine"], registry=r
+        )
+        self.engine_budget = Gauge(
+            "vllm_guard_engine_budget_blocks", "Blocks the gateway may commit on each engine.", ["engine"], registry=r
+        )
+        self.engine_in_flight = Gauge(
+            "vllm_guard_engine_in_flight_requests", "Requests admitted to each engine.", ["engine"], registry=r
+        )
+        self.engine_admitted = Gauge(
+            "vllm_guard_engine_admitted_requests", "Requests admitted to each engine since start.", ["engine"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "vllm_guard_failovers", "Requests sent to another engine after theirs failed before answering.",
+            registry=r,
+        )
         self.foreign_sequences = Gauge(
             "vllm_guard_engine_foreign_sequences",
             "Sequences the engine runs or queues beyond the gateway's own (traffic that bypasses the gateway).",
@@ -258,6 +276,19 @@ class Metrics:
         if live_used is not None:
             self.kv_live_used.set(live_used)
         self.kv_admit_limit.set(admit_limit)
+
+    def record_engines(self, rows: list[tuple[str, int, int | None, int, int]]) -> None:
+        """Each engine's (name, committed, budget, in flight, admitted so far); engines gone are forgotten."""
+        gauges = (self.engine_committed, self.engine_budget, self.engine_in_flight, self.engine_admitted)
+        for gauge in gauges:
+            gauge.clear()
+        for name, *values in rows:
+            for gauge, value in zip(gauges, values, strict=True):
+                if value is not None:
+                    gauge.labels(name).set(value)
+
+    def record_failover(self) -> None:
+        self.failovers.inc()
 
     def record_sharing(self, *, logical: int, shared: int) -> None:
         self.kv_logical.set(logical)

@@ -81,7 +81,7 @@ class SecretRedactor(logging.Filter):
         keys = [*settings.key_priorities(), *settings.api_key, *settings.admin_api_key]
         if settings.upstream_api_key:
             keys.append(settings.upstream_api_key)
-        return cls([*keys, *url_secrets(settings.upstream)])
+        return cls([*keys, *(s for url in settings.upstream for s in url_secrets(url))])
 
     def redact(self, text: str) -> str:
         text = redact_urls_in(text)

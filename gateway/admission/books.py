@@ -6,6 +6,7 @@ without prefix sharing, and their ratio is how much sharing saves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from gateway.admission.ledger import Ledger
@@ -44,6 +45,10 @@ class Books:
     @property
     def shared_held(self) -> int:
         return self._shared.held
+
+    def held_prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``, from the first, requests in flight hold."""
+        return self._shared.held_prefix(keys)
 
     def quote(self, r: Booked) -> None:
         """Tell a waiting request what its shared prompt blocks would add now."""

@@ -8,28 +8,30 @@ A request's *need* is the most KV blocks admitting it adds: its sequences' own b
 Whether one more request fits is the policy's (``policy``: ``strict`` books every request at its full size,
 so the engine never runs short of blocks for the gateway's requests; ``adaptive`` also admits on the projection of
 the live usage). The queue is re-examined on every release, snapshot and resume.
+
+With several engines (``placement``: servers, data-parallel ranks) each has its own budget, books and policy, and
+the queue is one: a request waits only while no engine can take it, and goes to the first that can.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
 from gateway import errors
 from gateway.admission import refusals
-from gateway.admission.books import Books
 from gateway.admission.forecast import Forecast
 from gateway.admission.gauges import LoadGauges
 from gateway.admission.headroom import Headroom
-from gateway.admission.kv_view import KvView, foreign_sequences
 from gateway.admission.ledger import Capacity, fit_output, too_large_message
-from gateway.admission.policy import Policy
+from gateway.admission.placement import Sites, total
 from gateway.admission.prefix import PromptPrefix
-from gateway.admission.projection import Projector
 from gateway.admission.queue import DeadlineTimer, Drain, WaitQueue
 from gateway.admission.reservation import Phase, Reservation
+from gateway.admission.site import Site
 from gateway.config import Settings
 from gateway.engine.live import EngineSnapshot, EngineView
 from gateway.engine.vllm_api.defaults import DEFAULT_BLOCK_SIZE
@@ -47,33 +49,35 @@ class Admission:
         clock: Callable[[], float] = time.monotonic,
         *,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        engines: Sequence[EngineView] = (),
+        usable: Callable[[int], bool] | None = None,
     ) -> None:
+        """``engine``, or several ``engines`` serving the same model; ``usable(i)``: whether engine ``i`` may
+        take requests now (up, not hung), consulted when there are several."""
         self._settings = settings
-        self._kv = KvView(engine, settings)
         self._metrics = metrics
         self._clock = clock
         self._sleep = sleep
-        self._books = Books()
-        self._foreign = 0  # sequences the engine runs or queues beyond the gateway's, at the last snapshot
         self._queue: WaitQueue[Reservation] = WaitQueue(settings.starvation_bound, fair=settings.fair_queueing == "on")
         self._timer = DeadlineTimer(self._queue, self._pump, clock=clock, sleep=sleep)
-        self._in_flight: set[Reservation] = set()
+        self._in_flight: dict[Reservation, Site] = {}
         self._paused = False
         self._idle = asyncio.Event()
         self._idle.set()
         self._drain = Drain()
         self._forecast = Forecast(enabled=settings.shed_early == "on", timeout=settings.queue_timeout, clock=clock)
-        self._projector = Projector(credit_window=2 * settings.scrape_interval)
         self._checkpoint_spacing = settings.scrape_interval / 4
         self._gauges = LoadGauges(metrics)
         on = settings.fair_queueing == "on" and settings.tenant_headroom == "on"
         self._headroom = Headroom(enabled=on, clock=clock, record=metrics.record_tenant_headroom)
-        self._policy = Policy(settings, self._kv, self._books, self._projector, self._headroom)
-        cap = self._kv.capacity()
+        views: list[EngineView | None] = [*engines] or [engine]
+        self._sites = Sites(settings, views, self._headroom, usable)
+        cap = self._sites.primary.capacity()
         self._block_size = cap.block_size if cap else (settings.block_size or DEFAULT_BLOCK_SIZE)
-        self._sharing = self._kv.prefix_sharing()
-        if engine is not None:
-            engine.on_snapshot(self._on_snapshot)
+        self._sharing = self._sites.primary.kv.prefix_sharing()
+        for i, view in enumerate(views):
+            if view is not None:
+                view.on_snapshot(partial(self._on_snapshot, i))
         self._publish_kv()
 
     # -- public surface ---------------------------------------------------------------------------
@@ -87,8 +91,8 @@ class Admission:
 
     @property
     def committed(self) -> int:
-        """Blocks booked: each request's own, and the shared prompt blocks once."""
-        return self._books.committed
+        """Blocks booked: each request's own, and the shared prompt blocks once (every engine's)."""
+        return self._sites.committed
 
     @property
     def block_size(self) -> int:
@@ -101,33 +105,37 @@ class Admission:
 
     @property
     def optimism(self) -> float:
-        return self._projector.optimism.value
+        return min(s.projector.optimism.value for s in self._sites)
 
     def budget_blocks(self) -> int | None:
-        """The blocks the gateway may commit (``kv_target`` x capacity); None while the capacity is unknown."""
-        return self._kv.budget(cap) if (cap := self._capacity()) is not None else None
+        """The blocks the gateway may commit (``kv_target`` x capacity, every engine's together); None while no
+        capacity is known."""
+        self._capacity()
+        return self._sites.budget_total() if self._sites.capacities() else None
 
     def fit(self, prompt_tokens: int, max_tokens: int, n: int, *, clamp: bool, prefix_known: bool = False) -> int:
         """``max_tokens`` if the request fits the whole budget; with ``clamp``, lowered until it does.
         Raises ``KVBudgetExceeded`` when it cannot fit. ``prefix_known``: its prompt's token ids are known, so
         with prefix sharing its ``n`` sequences hold their shareable prompt blocks once."""
-        cap = self._capacity()
-        if cap is None:
+        self._capacity()
+        if (largest := self._sites.largest()) is None:
             return max_tokens
         return fit_output(
-            prompt_tokens, max_tokens, n, cap, self._settings.kv_target, clamp=clamp,
+            prompt_tokens, max_tokens, n, largest[0], self._settings.kv_target, clamp=clamp,
             shared=self._sharing and prefix_known,
         )
 
     def reservation(
         self, *, prompt_tokens: int, max_tokens: int, n: int, priority: int, request_id: str,
         tenant: str = "default", weight: float = 1.0, prefix: PromptPrefix | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> Reservation:
+        """``avoid``: engines (by name) it must not go to while another can take it."""
         self._capacity()  # settles the block size the need is counted in
         return Reservation(
             self, prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, priority=priority,
             request_id=request_id, block_size=self._block_size, clock=self._clock,
-            checkpoint_spacing=self._checkpoint_spacing, tenant=tenant, weight=weight, prefix=prefix,
+            checkpoint_spacing=self._checkpoint_spacing, tenant=tenant, weight=weight, prefix=prefix, avoid=avoid,
         )
 
     def pause(self) -> None:
@@ -163,25 +171,29 @@ class Admission:
 
     def status(self) -> dict[str, Any]:
         """The state as ``/guard/status`` shows it (a JSON document). Reads only: changes nothing."""
-        cap = self._kv.capacity()
-        budget = self._kv.budget(cap) if cap else None
-        projected = self._policy.projection(cap, self._in_flight)
+        known = self._sites.capacities()
+        cap = known[0][1] if known else None
+        budget = self._sites.budget_total() if known else None
+        loads = self._sites.loads()
+        projected = total(p for _, _, p, _ in loads)
+        primary = self._sites.primary
         rate = self._drain.rate(self._clock())
+        mode = self._settings.prefix_sharing
         return {
             "policy": self._settings.admission_policy,
             "paused": self._paused,
             "block_size": self._block_size,
-            "capacity_blocks": cap.blocks if cap else None,
+            "capacity_blocks": sum(c.blocks for _, c in known) if known else None,
             "capacity_source": cap.source if cap else None,
             "kv_target": self._settings.kv_target,
             "budget_blocks": budget,
             "committed_blocks": self.committed,
-            "prefix_sharing": self._books.status(self._settings.prefix_sharing, self._sharing),
-            "foreign_sequences": self._foreign,
-            "live_used_blocks": self._kv.live_used(cap),
+            "prefix_sharing": self._sites.sharing_status(mode, self._sharing),
+            "foreign_sequences": sum(s.foreign for s in self._sites),
+            "live_used_blocks": total(live for _, live, _, _ in loads),
             "projected_blocks": projected,
-            "time_aware": self._policy.time_aware.status(self._in_flight, self._queue.head(), self._block_size),
-            "admit_limit_blocks": self._policy.admit_limit(budget, projected),
+            "time_aware": primary.policy.time_aware.status(primary.in_flight, self._queue.head(), self._block_size),
+            "admit_limit_blocks": total(limit for _, _, _, limit in loads) if known else None,
             "in_flight": len(self._in_flight),
             "max_concurrency": self._settings.max_concurrency,
             "queued": len(self._queue),
@@ -189,11 +201,12 @@ class Admission:
             "fair_queueing": self._queue.fair, "tenants": self._headroom.annotate(self._queue.tenants(), budget),
             "tenant_headroom": self._headroom.enabled,
             "max_queue": self._settings.max_queue,
-            "optimism": round(self._projector.optimism.value, 4),
-            "output_estimate_tokens": self._projector.outputs.longest(),
+            "optimism": round(self.optimism, 4),
+            "output_estimate_tokens": primary.projector.outputs.longest(),
             "drain_rate_per_s": None if rate is None else round(rate, 3),
             "forecast": self._forecast.status(),
-            "engine": self._kv.engine_status(),
+            "engine": self._sites.engine_kv.engine_status(),
+            "engines": self._sites.rows(mode, self._sharing),
         }
 
     def publish(self) -> None:
@@ -205,7 +218,7 @@ class Admission:
         without the projection, whose cost grows with the requests in flight."""
         self._publish_kv()
         self._publish_load()
-        self._kv.publish_freshness()
+        self._sites.engine_kv.publish_freshness()
         self._headroom.publish(self.budget_blocks())
 
     # -- the reservation's side (``Admitter``) ------------------------------------------------------
@@ -214,11 +227,12 @@ class Admission:
         if r.phase is not Phase.NEW:
             raise RuntimeError(f"reservation {r.request_id} was already entered or released")
         await r.prepare(self._block_size, self._sharing)  # a long prompt's block keys, hashed off the loop
-        cap = self._capacity()
+        self._capacity()
         r.recount(self._block_size, self._sharing)
-        if cap is not None and r.alone_blocks > self._kv.budget(cap):
+        largest = self._sites.largest()
+        if largest is not None and r.alone_blocks > largest[1]:
             r.reject()
-            raise errors.KVBudgetExceeded(self._too_large_message(r, cap))
+            raise errors.KVBudgetExceeded(self._too_large_message(r, largest[0]))
         now = self._clock()
         r.enqueue()
         self._headroom.arrive(r)
@@ -242,15 +256,17 @@ class Admission:
         if r.phase is Phase.ADMITTED:
             r.finish()
             self._queue.served(r, output_tokens=r.generated)
-            held = self._books.committed
-            self._books.release(r)
-            self._forecast.released(held - self._books.committed)
+            site = self._in_flight.pop(r)
+            held = site.books.committed
+            site.books.release(r)
+            site.in_flight.discard(r)
+            site.recent.add(r.keys)
+            self._forecast.released(held - site.books.committed)
             self._headroom.release(r)
-            self._in_flight.discard(r)
             self._drain.note(self._clock())
             output = r.completed_output
             if output is not None:
-                self._projector.outputs.add(output)
+                site.projector.outputs.add(output)
             if not self._in_flight:
                 self._idle.set()
             self._pump()
@@ -265,38 +281,55 @@ class Admission:
     def _pump(self) -> None:
         """Expire, then admit from the queue as far as the policy allows."""
         self._expire()
-        self._policy.begin_pass()
-        cap = self._capacity()
+        for site in self._sites:
+            site.policy.begin_pass()
+        self._capacity()
         if not self._paused:
-            budget = self._kv.budget(cap) if cap else 0
-            if self._sharing:
+            largest = self._sites.largest()
+            if self._sharing and len(self._sites) == 1:
                 for r in self._queue:
-                    self._books.quote(r)
+                    self._sites.primary.books.quote(r)
+            placed: dict[Reservation, Site] = {}
             while (head := self._queue.head()) is not None:
-                if cap is not None and head.alone_blocks > budget:
+                if largest is not None and head.alone_blocks > largest[1]:
                     # Capacity shrank under a queued request (engine restarted smaller): it can never fit.
-                    self._fail(head, errors.KVBudgetExceeded(self._too_large_message(head, cap)))
+                    self._fail(head, errors.KVBudgetExceeded(self._too_large_message(head, largest[0])))
                     continue
-                chosen = self._queue.pick(lambda r: self._policy.fits(r, cap, budget, self._in_flight))
+                chosen = self._queue.pick(lambda r: self._place(r, placed))
                 if chosen is None:
                     break
-                self._admit(chosen, cap)
-            if cap is not None and self._queue:  # refused now rather than at the deadline: forecast to wait past it
-                for late in self._forecast.late(self._queue.backlog(), budget - self.committed, len(self._in_flight)):
+                self._admit(chosen, placed[chosen])
+            if largest is not None and self._queue:  # refused now rather than at the deadline: forecast to wait
+                free = self._sites.budget_total() - self.committed
+                for late in self._forecast.late(self._queue.backlog(), free, len(self._in_flight)):
                     self._fail(late.item, refusals.queue_timeout_expected(late, self._settings.queue_timeout))
         self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)
         self._publish_load()
 
-    def _admit(self, r: Reservation, cap: Capacity | None) -> None:
+    def _place(self, r: Reservation, placed: dict[Reservation, Site]) -> bool:
+        """Whether ``r`` fits on an engine now; the engine it fits on first is noted in ``placed``."""
+        limit = self._settings.max_concurrency
+        if limit is not None and len(self._in_flight) >= limit:
+            return False
+        for site in self._sites.candidates(r, self._block_size, self._sharing):
+            if site.fits(r):
+                placed[r] = site
+                return True
+        return False
+
+    def _admit(self, r: Reservation, site: Site) -> None:
         enqueued_at = self._queue.enqueued_at(r)
         self._dequeue(r)
-        self._policy.admitted(r, cap)
+        site.policy.admitted(r, site.capacity())
         waited = max(0.0, self._clock() - enqueued_at)
+        r.target = site.target
         r.admit(waited)
-        self._books.commit(r)
+        site.books.commit(r)
         self._headroom.commit(r)
         self._queue.served(r, prompt_tokens=r.prompt_tokens)
-        self._in_flight.add(r)
+        site.in_flight.add(r)
+        site.admitted_total += 1
+        self._in_flight[r] = site
         self._idle.clear()
         self._metrics.record_admission("queued" if r.waited else "immediate", waited)
 
@@ -330,8 +363,9 @@ class Admission:
     # -- capacity and the live view ---------------------------------------------------------------
     def _capacity(self) -> Capacity | None:
         """The capacity, after recounting every need if the engine's block size or prefix caching changed."""
-        cap = self._kv.capacity()
-        sharing = self._kv.prefix_sharing()
+        primary = self._sites.primary
+        cap = primary.capacity()
+        sharing = primary.kv.prefix_sharing()
         if (cap is not None and cap.block_size != self._block_size) or sharing != self._sharing:
             self._rebase(cap.block_size if cap is not None else self._block_size, sharing)
         return cap
@@ -340,15 +374,15 @@ class Admission:
         """Recount every need (the engine published another block size than assumed, or (re)started with prefix
         caching switched): each admitted request gives back its shared blocks and takes them again as recounted."""
         self._block_size, self._sharing = block_size, sharing
-        for r in self._in_flight:
-            self._books.recount(r, block_size, sharing)
+        for r, site in self._in_flight.items():
+            site.books.recount(r, block_size, sharing)
         for r in self._queue:
             r.recount(block_size, sharing)
 
-    def _on_snapshot(self, old: EngineSnapshot, new: EngineSnapshot) -> None:
-        self._foreign = foreign_sequences(new, self._in_flight)
-        blamed = self._projector.observe(old, new, self._in_flight, foreign=self._foreign > 0)
-        self._metrics.record_foreign(self._foreign, blamed)
+    def _on_snapshot(self, engine: int, old: EngineSnapshot, new: EngineSnapshot) -> None:
+        self._sites.follow_ranks(engine, new)
+        blamed = sum(site.learn(old, new) for site in self._sites.of_engine(engine))
+        self._metrics.record_foreign(sum(s.foreign for s in self._sites), blamed)
         self._pump()
         self.publish()
 
@@ -359,18 +393,7 @@ class Admission:
         )
 
     def _publish_kv(self) -> None:
-        cap = self._kv.capacity()
-        if cap is None:
-            return
-        budget = self._kv.budget(cap)
-        self._metrics.record_kv(
-            capacity=cap.blocks, budget=budget, committed=self.committed, live_used=self._kv.live_used(cap),
-            admit_limit=self._policy.admit_limit(budget, self._policy.projection(cap, self._in_flight)) or budget,
-        )
-        self._gauges.committed_set(self.committed)
+        self._gauges.publish_kv(self._sites)
 
     def _publish_load(self) -> None:
-        books = self._books
-        self._gauges.publish(
-            committed=books.committed, logical=books.logical, shared=books.shared_held, depth=self._queue.depth
-        )
+        self._gauges.publish_load(self._sites, self._queue.depth)

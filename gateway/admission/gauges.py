@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from gateway.admission.placement import Sites, total
 from gateway.metrics import Metrics
 
 
@@ -26,3 +27,27 @@ class LoadGauges:
         if depth != self._depth:
             self._depth = dict(depth)
             self._metrics.record_queue_depth(self._depth)
+
+    def publish_kv(self, sites: Sites) -> bool:
+        """The KV gauges, every engine's together (and each engine's, when there are several); False while no
+        capacity is known."""
+        self._metrics.record_engines([
+            (s.name, s.books.committed, s.budget(s.capacity()), len(s.in_flight), s.admitted_total) for s in sites
+        ] if len(sites) > 1 else [])
+        loads = sites.loads()
+        if not loads:
+            return False
+        self._metrics.record_kv(
+            capacity=sum(cap.blocks for cap, _, _, _ in loads), budget=sites.budget_total(),
+            committed=sites.committed, live_used=total(live for _, live, _, _ in loads),
+            admit_limit=sum(limit for _, _, _, limit in loads),
+        )
+        self.committed_set(sites.committed)
+        return True
+
+    def publish_load(self, sites: Sites, depth: Mapping[int, int]) -> None:
+        every = list(sites)
+        self.publish(
+            committed=sites.committed, logical=sum(s.books.logical for s in every),
+            shared=sum(s.books.shared_held for s in every), depth=depth,
+        )

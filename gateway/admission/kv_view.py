@@ -8,7 +8,7 @@ from typing import Protocol, TypedDict
 
 from gateway.admission.ledger import Capacity, budget_blocks, capacity_from
 from gateway.config import Settings
-from gateway.engine.live import EngineSnapshot, EngineView
+from gateway.engine.live import EngineSnapshot
 
 
 class RankStatus(TypedDict):
@@ -35,10 +35,23 @@ class EngineStatus(TypedDict):
     ranks: dict[str, RankStatus]
 
 
+class SnapshotSource(Protocol):
+    """An engine's view (``EngineView``), or one data-parallel rank's (``site.RankView``)."""
+
+    @property
+    def snapshot(self) -> EngineSnapshot: ...
+
+    def is_stale(self) -> bool: ...
+
+    def age(self) -> float | None: ...
+
+    def publish_freshness(self) -> None: ...
+
+
 class KvView:
     """What the engine (or, without one, the flags) says about KV blocks right now."""
 
-    def __init__(self, engine: EngineView | None, settings: Settings) -> None:
+    def __init__(self, engine: SnapshotSource | None, settings: Settings) -> None:
         self._engine = engine
         self._settings = settings
 

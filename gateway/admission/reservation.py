@@ -14,6 +14,7 @@ import enum
 import math
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
@@ -38,6 +39,16 @@ class Phase(enum.Enum):
 _WAITING = (Phase.NEW, Phase.QUEUED)  # not admitted yet: may still be turned away or withdrawn
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where an admitted request goes: the gateway's engine ``engine`` (its index), and on a data-parallel one the
+    rank sent as ``X-data-parallel-rank``; ``name`` is how responses, status and metrics call it."""
+
+    name: str
+    engine: int = 0
+    rank: int | None = None
+
+
 class Admitter(Protocol):
     """The controller, as a reservation sees it."""
 
@@ -55,8 +66,11 @@ class Reservation:
         self, admitter: Admitter, *, prompt_tokens: int, max_tokens: int, n: int, priority: int,
         request_id: str, block_size: int, clock: Callable[[], float], checkpoint_spacing: float,
         tenant: str = "default", weight: float = 1.0, prefix: PromptPrefix | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> None:
         self._admitter = admitter
+        self.avoid = avoid  # engines not to place it on (one failed under it already)
+        self.target: Target | None = None  # where it was placed, once admitted
         self._clock = clock
         self._checkpoint_spacing = checkpoint_spacing
         self.request_id = request_id

@@ -97,7 +97,7 @@ class UpstreamStream:
 class Upstream:
     def __init__(self, settings: Settings, base_url: Callable[[], str] | None = None) -> None:
         self._settings = settings
-        self._base_url = base_url or (lambda: settings.upstream)
+        self._base_url = base_url or (lambda: settings.upstream[0])
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[tuple[str, str], URL] = {}
         self._auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}

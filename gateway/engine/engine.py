@@ -46,6 +46,10 @@ class Engine(Generic[ModelsT]):
         listing = self.models.cached
         return listing.max_model_len if listing is not None else None
 
+    def usable(self) -> bool:
+        """Whether requests may be placed on it now: its metrics are fresh and it is not hung."""
+        return self.is_fresh() and not self.progress.hung
+
     def is_fresh(self) -> bool:
         """Its latest scrape succeeded and is recent."""
         return self.view.snapshot.ok and not self.view.is_stale()

@@ -12,25 +12,34 @@ import orjson
 
 from gateway.admission import Reservation
 from gateway.engine.client import UpstreamStream, decoder_for
+from gateway.engine.engine import Engine
 from gateway.engine.sse import SSEFramer, counts_as_token
 from gateway.engine.vllm_api import upstream_error_from
 from gateway.errors import BadUpstreamResponse, GatewayError, UpstreamHung
+from gateway.guard.models import Models
 from gateway.guard.parts import Parts
 
 log = logging.getLogger(__name__)
 
+# vLLM's API server runs a request on this data-parallel engine instead of balancing it itself
+# (vllm/entrypoints/generate/base/serving.py, vLLM 0.32).
+DP_RANK_HEADER = "x-data-parallel-rank"
 
-async def open_upstream(parts: Parts, path: str, body: bytes, rid: str) -> UpstreamStream:
+
+async def open_upstream(
+    parts: Parts, engine: Engine[Models], path: str, body: bytes, rid: str, rank: int | None = None
+) -> UpstreamStream:
     """The upstream's answer once its status is 200 (its error, normalised, otherwise); counted in flight
-    until closed by the caller."""
+    until closed by the caller. ``rank``: the data-parallel engine behind ``engine``'s URL to run it on."""
     parts.metrics.in_flight.inc()
-    progress = parts.engine.progress
+    progress = engine.progress
     progress.opened()
+    headers = {"content-type": "application/json", "x-request-id": rid}
+    if rank is not None:
+        headers[DP_RANK_HEADER] = str(rank)
     try:
         with progress.interruptible():  # refused while the engine is hung, cut if it hangs meanwhile
-            stream = await parts.engine.client.open(
-                "POST", path, body=body, headers={"content-type": "application/json", "x-request-id": rid}
-            )
+            stream = await engine.client.open("POST", path, body=body, headers=headers)
     except BaseException:
         parts.metrics.in_flight.dec()
         progress.closed()
@@ -39,26 +48,28 @@ async def open_upstream(parts: Parts, path: str, body: bytes, rid: str) -> Upstr
         try:
             payload = await stream.read_all()
         finally:
-            close(parts, stream)
+            close(parts, engine, stream)
         raise upstream_error_from(stream.status, payload, stream.headers)
     return stream
 
 
-def close(parts: Parts, stream: UpstreamStream) -> None:
+def close(parts: Parts, engine: Engine[Models], stream: UpstreamStream) -> None:
     stream.close()
     parts.metrics.in_flight.dec()
-    parts.engine.progress.closed()
+    engine.progress.closed()
 
 
-async def read_answer(parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation | None) -> bytes:
+async def read_answer(
+    parts: Parts, engine: Engine[Models], route: str, stream: UpstreamStream, reservation: Reservation | None
+) -> bytes:
     """A whole JSON answer; its usage teaches the reservation how long outputs really are (``reservation``
     None: the route generates nothing, like the pooling routes)."""
     t0 = time.perf_counter()
     try:
-        with parts.engine.progress.interruptible():
+        with engine.progress.interruptible():
             payload = await stream.read_all()
     finally:
-        close(parts, stream)
+        close(parts, engine, stream)
     parts.metrics.record_upstream_latency(route, time.perf_counter() - t0)
     try:
         data = orjson.loads(payload)
@@ -92,21 +103,24 @@ class EngineStream:
     admission. A break raises ``GatewayError`` after the last whole event. ``finish`` frees everything exactly
     once, whether the stream ended, broke, or never started (a client gone before the first event)."""
 
-    def __init__(self, parts: Parts, route: str, stream: UpstreamStream, reservation: Reservation) -> None:
+    def __init__(
+        self, parts: Parts, engine: Engine[Models], route: str, stream: UpstreamStream, reservation: Reservation
+    ) -> None:
         self.parts, self.route, self.stream, self.reservation = parts, route, stream, reservation
+        self.engine = engine
         self.t0 = time.perf_counter()
         self.outcome = "cancelled"  # until the stream ends or breaks
         self._done = False
         # A hung engine sends nothing more: the detector closes the stream, and its break is told as the hang.
         self._hang: UpstreamHung | None = None
-        self._watch = parts.engine.progress.watch(self._cut)
+        self._watch = engine.progress.watch(self._cut)
 
     async def events(self) -> AsyncGenerator[bytes, None]:
         framer = SSEFramer(self.parts.settings.max_stream_event_bytes)
         decoder = decoder_for(self.stream.headers)  # an upstream that compressed though asked not to
         tokens = 0
         first = True
-        progress = self.parts.engine.progress
+        progress = self.engine.progress
         try:
             async for chunk in self.stream.chunks():
                 progress.stream_moved()
@@ -142,8 +156,8 @@ class EngineStream:
         if self._done:
             return
         self._done = True
-        self.parts.engine.progress.unwatch(self._watch)
-        close(self.parts, self.stream)
+        self.engine.progress.unwatch(self._watch)
+        close(self.parts, self.engine, self.stream)
         self.reservation.release(completed=self.outcome == "ok")
         self.parts.metrics.record_upstream_latency(self.route, time.perf_counter() - self.t0)
         self.parts.metrics.record_request(self.route, self.outcome)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.admission.controller import Admission
@@ -29,6 +29,18 @@ class Parts:
     supervisor: Supervisor | None = None  # managed mode only
     sampler: Sampler | None = None  # the live page's history (/guard/ui)
     tenants: Tenants | None = None  # keys -> tenants, their limits and usage
+    engines: list[Engine[Models]] = field(default_factory=list)  # every engine guarded; the first is ``engine``
+
+    def engine_at(self, index: int) -> Engine[Models]:
+        """The engine a reservation was placed on (``Target.engine``)."""
+        return self.engines[index] if self.engines else self.engine
+
+    def every_engine(self) -> list[Engine[Models]]:
+        return self.engines or [self.engine]
+
+    def serving_engine(self) -> Engine[Models]:
+        """The engine for what is not booked (the model listing, pass-through routes): the first usable one."""
+        return next((e for e in self.engines if e.usable()), self.engine)
 
     @property
     def models(self) -> Models:
@@ -45,6 +57,7 @@ class Outcome:
     truncated_tokens: int = 0
     queue_ms: float = 0.0
     ratelimit: dict[str, str] | None = None  # the tenant's x-ratelimit-* headers, when it has per-minute limits
+    engine: str | None = None  # the engine it ran on, when the gateway guards several (or a data-parallel one)
 
     def headers(self) -> dict[str, str]:
         h = {
@@ -57,5 +70,7 @@ class Outcome:
             h["x-guard-truncated-tokens"] = str(self.truncated_tokens)
         if self.ratelimit:
             h.update(self.ratelimit)
+        if self.engine is not None:
+            h["x-guard-engine"] = self.engine
         return h
 

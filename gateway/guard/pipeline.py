@@ -50,7 +50,7 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
     try:
         req = parse(ctx.route, ctx.body)
         refuse_while_starting(parts)
-        parts.engine.progress.refuse_if_hung()  # 503 upstream_hung at once (gateway/engine/progress.py)
+        refuse_while_hung(parts)  # 503 upstream_hung at once (gateway/engine/progress.py)
         limits, engine_max_model_len = await engine_limits(parts, req)
         if isinstance(req, PoolingRequest):
             booking = await planning.plan_pooling(
@@ -106,14 +106,16 @@ async def check_tenant_limits(parts: Parts, ctx: RequestContext, booking: Bookin
 async def admit_and_exchange(
     parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, grant: Grant
 ) -> AsyncGenerator[Reply, None]:
-    """Hold a reservation (waiting in the queue if need be) for the exchange with the engine. A managed engine
-    that dies under the request before anything reached the client gets it once more after its restart."""
+    """Hold a reservation (waiting in the queue if need be) for the exchange with the engine it was placed on.
+    A request that engine failed before anything reached the client is sent once more: to another engine when
+    there are several (failover), else, in managed mode, to the engine after its restart."""
     answered = False  # a stream that breaks after its head is never sent again
+    avoid: frozenset[str] = frozenset()
     for attempt in (1, 2):
         reservation = parts.admission.reservation(
             prompt_tokens=booking.prompt_tokens, max_tokens=booking.max_tokens, n=booking.n,
             priority=ctx.priority, request_id=ctx.request_id, tenant=ctx.tenant, weight=ctx.tenant_weight,
-            prefix=booking.prefix,
+            prefix=booking.prefix, avoid=avoid,
         )
         try:
             # May wait for the tenant's KV share and in the queue, or shed with QueueFull / QueueTimeout.
@@ -124,6 +126,13 @@ async def admit_and_exchange(
                     yield piece
                 return
         except (UpstreamUnavailable, UpstreamError) as exc:
+            target = reservation.target
+            if not answered and attempt == 1 and target is not None and failover(parts, exc):
+                log.warning("request %s: engine %s failed under it (%s); sending it to another", ctx.request_id,
+                            target.name, exc.message)
+                parts.metrics.record_failover()
+                avoid = frozenset({target.name})
+                continue
             if answered or not engine_failed(parts, exc):
                 raise
             if attempt == 2:
@@ -142,10 +151,14 @@ async def exchange_with_engine(
     the reservation until the HTTP layer closes this generator. Upstream errors raised here come before
     anything was sent to the client (they may be retried); a stream's own break comes while the HTTP layer
     reads its events, and is the HTTP layer's to write as an error event."""
-    stream = await exchange.open_upstream(parts, ctx.path, body, ctx.request_id)
+    target = reservation.target
+    engine = parts.engine_at(target.engine) if target is not None else parts.engine
+    rank = target.rank if target is not None else None
+    ctx.outcome.engine = target.name if target is not None else None
+    stream = await exchange.open_upstream(parts, engine, ctx.path, body, ctx.request_id, rank)
     if not booking.stream:
         learner = reservation if booking.learns_output else None
-        payload = await exchange.read_answer(parts, ctx.route, stream, learner)
+        payload = await exchange.read_answer(parts, engine, ctx.route, stream, learner)
         # The engine is done with it: free the blocks before the answer is written to the client.
         reservation.release(completed=booking.learns_output)
         yield Reply(ctx.outcome.headers(), payload)
@@ -153,9 +166,9 @@ async def exchange_with_engine(
     try:
         require_event_stream(stream)
     except GatewayError:
-        exchange.close(parts, stream)
+        exchange.close(parts, engine, stream)
         raise
-    relay = exchange.EngineStream(parts, ctx.route, stream, reservation)
+    relay = exchange.EngineStream(parts, engine, ctx.route, stream, reservation)
     try:
         headers = {**ctx.outcome.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"}
         yield Reply(headers, events=relay.events())
@@ -178,6 +191,19 @@ def refuse_while_starting(parts: Parts) -> None:
             f"The engine is {sup.state}; retry shortly.", code=f"upstream_{sup.state}",
             retry_after=sup.retry_after(),
         )
+
+
+def refuse_while_hung(parts: Parts) -> None:
+    """Refuse at once while every engine is hung (with one engine: while it is)."""
+    engines = parts.every_engine()
+    if all(e.progress.hung for e in engines):
+        engines[0].progress.refuse_if_hung()
+
+
+def failover(parts: Parts, exc: GatewayError) -> bool:
+    """Another engine can take a request its engine failed (down, hung, or an engine-side error), not a
+    client's mistake."""
+    return len(parts.every_engine()) > 1 and not exc.client_fault
 
 
 def engine_failed(parts: Parts, exc: GatewayError) -> bool:

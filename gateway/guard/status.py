@@ -5,9 +5,12 @@ from ``/metrics`` (docs/scale-out.md)."""
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
+from gateway.engine.engine import Engine
+from gateway.engine.live import EngineSnapshot
 from gateway.engine.progress import ProgressStatus
+from gateway.guard.models import Models
 from gateway.guard.parts import Parts
 from gateway.guard.policy import effective_max_model_len
 from gateway.managed.lifecycle import EngineLifecycle
@@ -27,6 +30,24 @@ class UpstreamStatus(TypedDict):
     progress: ProgressStatus
 
 
+def engine_state(engine: Engine[Models]) -> str:
+    """A proxied engine's state: ready, down (unreachable, or its metrics stale) or hung."""
+    if engine.models.cached is None or not engine.is_fresh():
+        return str(EngineLifecycle.DOWN)
+    return HUNG if engine.progress.hung else str(EngineLifecycle.READY)
+
+
+def engines_status(parts: Parts, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Admission's rows for each engine (``/guard/status.engines``), with where each is and its state."""
+    sup = parts.supervisor
+    out = []
+    for row in rows:
+        engine = parts.engine_at(row["engine"])
+        state = str(sup.state) if sup is not None else engine_state(engine)
+        out.append({**row, "url": redact_url(engine.url), "state": state, "hung": engine.progress.hung})
+    return out
+
+
 def upstream_status(parts: Parts) -> UpstreamStatus:
     info = parts.models.cached
     sup = parts.supervisor
@@ -34,11 +55,11 @@ def upstream_status(parts: Parts) -> UpstreamStatus:
     if sup is not None:
         state, restarts, reason, url = sup.state, sup.restarts, sup.last_restart_reason, sup.url
     else:
-        fresh = info is not None and parts.engine.is_fresh()
-        state = EngineLifecycle.READY if fresh else EngineLifecycle.DOWN
-        if fresh and parts.engine.progress.hung:
-            state = HUNG
-        restarts, reason, url = 0, None, parts.settings.upstream
+        state = engine_state(parts.engine)
+        if len(parts.every_engine()) > 1 and state != EngineLifecycle.READY:
+            # Several engines: the gateway serves while any one does (each engine's state: /guard/status).
+            state = next((s for s in map(engine_state, parts.every_engine()) if s == EngineLifecycle.READY), state)
+        restarts, reason, url = 0, None, parts.engine.url
     engine_limit = info.max_model_len if info else None
     return {
         "url": redact_url(url),
@@ -55,16 +76,30 @@ def upstream_status(parts: Parts) -> UpstreamStatus:
 def publish_pool_metrics(parts: Parts) -> None:
     """What an endpoint picker reads, as of now: the queue is the engine's and the gateway's together (a
     request queued here waits as surely as one queued in vLLM), KV usage the larger of the engine's live usage
-    and the gateway's reservations (blocks booked are promised even before the engine fills them)."""
-    engine, admission = parts.engine, parts.admission
-    snap = engine.snapshot
-    fresh = engine.is_fresh()
-    waiting = (snap.waiting or 0) if fresh else 0
-    running = snap.running if fresh and snap.running is not None else admission.in_flight
-    capacity = snap.num_gpu_blocks or parts.settings.kv_blocks
+    and the gateway's reservations (blocks booked are promised even before the engine fills them). Several
+    engines behind one guard are one model server to the picker: their figures together."""
+    admission = parts.admission
+    engines = parts.every_engine()
+    snaps = [e.snapshot for e in engines if e.is_fresh()]
+    waiting = sum(s.waiting or 0 for s in snaps)
+    known = len(snaps) == len(engines) and all(s.running is not None for s in snaps)
+    running = sum(s.running or 0 for s in snaps) if known else admission.in_flight
+    sizes = [engine_blocks(e.snapshot)[0] or parts.settings.kv_blocks or 0 for e in engines]
+    capacity = sum(sizes) or None
     booked = admission.committed / capacity if capacity else 0.0
-    live = snap.kv_usage if fresh and snap.kv_usage is not None else 0.0
+    used = sum(engine_blocks(e.snapshot)[1] * size for e, size in zip(engines, sizes, strict=True) if e.is_fresh())
+    live = used / capacity if capacity else 0.0
     parts.metrics.record_pool(
         queued=waiting + admission.queued, running=running, kv_usage=min(1.0, max(live, booked)),
         block_size=admission.block_size, num_gpu_blocks=capacity,
     )
+
+
+def engine_blocks(snap: EngineSnapshot) -> tuple[int | None, float]:
+    """An engine's KV blocks and the fraction in use, every data-parallel rank's together (each rank has a cache
+    of its own; the engine-wide ``num_gpu_blocks`` is one rank's)."""
+    ranks = [r for r in snap.ranks.values() if r.num_gpu_blocks] if len(snap.ranks) > 1 else []
+    if not ranks:
+        return snap.num_gpu_blocks, snap.kv_usage or 0.0
+    blocks = sum(r.num_gpu_blocks or 0 for r in ranks)
+    return blocks, sum((r.kv_usage or 0.0) * (r.num_gpu_blocks or 0) for r in ranks) / blocks

@@ -17,7 +17,7 @@ from gateway.engine.client import Upstream
 from gateway.engine.engine import Engine
 from gateway.engine.live import EngineSnapshot, EngineView
 from gateway.engine.progress import ProgressDetector, completion_probe
-from gateway.errors import GatewayError
+from gateway.errors import ConfigInvalid, GatewayError
 from gateway.guard.models import Models
 from gateway.guard.parts import Parts
 from gateway.guard.status import upstream_status
@@ -37,11 +37,19 @@ log = logging.getLogger(__name__)
 async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> Parts:
     metrics = Metrics()
     supervisor = _supervisor(settings, metrics)
-    engine = await build_engine(settings, metrics, stack, supervisor)
-    admission = Admission(settings, engine.view, metrics)
+    # Tokenization threads: the work holds the GIL only partly (the Rust tokenizer releases it).
+    executor = stack.enter_context(ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
+    engines = [await build_engine(settings, metrics, stack, supervisor, executor)]
+    for url in settings.upstream[1:]:
+        # Each engine's own gauges (freshness, hung) would overwrite the first's: /guard/status shows them.
+        engines.append(await build_engine(settings, Metrics(), stack, None, executor, url=url))
+    engine = engines[0]
+    admission = Admission(
+        settings, engine.view, metrics, engines=[e.view for e in engines], usable=lambda i: engines[i].usable(),
+    )
     stack.push_async_callback(admission.close)
     tenants = await build_tenants(settings, metrics, stack)
-    parts = Parts(settings, metrics, engine, admission, supervisor, tenants=tenants)
+    parts = Parts(settings, metrics, engine, admission, supervisor, tenants=tenants, engines=engines)
     if supervisor is not None:
         supervisor.admission = admission
         supervisor.engine = engine.view
@@ -51,12 +59,16 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
         managing.spawn(_run_managed(supervisor, engine.models))
         stack.push_async_callback(managing.close)
     else:
-        await _read_models_once(settings, engine.models)
-        # Proxy mode only: a managed engine's hang is the supervisor's watchdog's, cured by a restart.
-        await engine.progress.start()
-        stack.push_async_callback(engine.progress.stop)
-    await engine.view.start()
-    stack.push_async_callback(engine.view.stop)
+        for each in engines:
+            await _read_models_once(each)
+        check_same_model(engines)
+        for each in engines:
+            # Proxy mode only: a managed engine's hang is the supervisor's watchdog's, cured by a restart.
+            await each.progress.start()
+            stack.push_async_callback(each.progress.stop)
+    for each in engines:
+        await each.view.start()
+        stack.push_async_callback(each.view.stop)
     # The live page's history: one sample a second in the background, nothing on the request path.
     parts.sampler = Sampler(History(), metrics, admission.status, lambda: dict(upstream_status(parts)))
     await parts.sampler.start()
@@ -70,12 +82,13 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
 
 
 async def build_engine(
-    settings: Settings, metrics: Metrics, stack: contextlib.AsyncExitStack, supervisor: Supervisor | None
+    settings: Settings, metrics: Metrics, stack: contextlib.AsyncExitStack, supervisor: Supervisor | None,
+    executor: ThreadPoolExecutor, *, url: str | None = None,
 ) -> Engine[Models]:
-    """The engine's one HTTP client, its served models (with the tokenizer loader) and its metrics view."""
-    # Tokenization threads: the work holds the GIL only partly (the Rust tokenizer releases it).
-    executor = stack.enter_context(ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
-    client = Upstream(settings, base_url=(lambda: supervisor.url) if supervisor is not None else None)
+    """The engine's one HTTP client, its served models (with the tokenizer loader) and its metrics view; ``url``:
+    another engine than the first ``--upstream``."""
+    base_url = (lambda: supervisor.url) if supervisor is not None else (lambda: url) if url is not None else None
+    client = Upstream(settings, base_url=base_url)
     await client.start()
     stack.push_async_callback(client.close)
     view = EngineView(
@@ -119,11 +132,31 @@ def _supervisor(settings: Settings, metrics: Metrics) -> Supervisor | None:
     return Supervisor(settings, metrics)
 
 
-async def _read_models_once(settings: Settings, models: Models) -> None:
+async def _read_models_once(engine: Engine[Models]) -> None:
     with contextlib.suppress(GatewayError):
-        await models.refresh()
-    if models.cached is None:
-        log.warning("the upstream %s is not reachable yet; requests get 503 until it is", redact_url(settings.upstream))
+        await engine.models.refresh()
+    if engine.models.cached is None:
+        log.warning("the upstream %s is not reachable yet; requests get 503 until it is", redact_url(engine.url))
+
+
+def check_same_model(engines: list[Engine[Models]]) -> None:
+    """Every engine reachable at start serves what the first serves (the models and their context length):
+    requests are counted and clamped once, for any of them."""
+    first = engines[0].models.cached
+    if first is None:  # the first is not up yet: what another serves is the listing until it is
+        first = next((e.models.cached for e in engines[1:] if e.models.cached is not None), None)
+        if first is not None:
+            engines[0].models.update(first)
+    for engine in engines[1:]:
+        other = engine.models.cached
+        if first is None or other is None:
+            continue
+        if (other.ids, other.max_model_len) != (first.ids, first.max_model_len):
+            raise ConfigInvalid(
+                f"--upstream {redact_url(engine.url)} serves {other.ids} with max_model_len {other.max_model_len}, "
+                f"but {redact_url(engines[0].url)} serves {first.ids} with max_model_len {first.max_model_len}: "
+                "every engine must serve the same model with the same limits"
+            )
 
 
 def freeze_heap() -> None:

@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from gateway.errors import InvalidRequest
 from gateway.guard.parts import Parts
-from gateway.guard.status import publish_pool_metrics, upstream_status
+from gateway.guard.status import engines_status, publish_pool_metrics, upstream_status
 from gateway.http import passthrough, ui
 from gateway.http.auth import authenticate
 from gateway.http.routes import RouteTable
@@ -53,7 +53,9 @@ async def status(request: Request) -> Response:
     parts = parts_of(request)
     authenticate(parts.settings, request)
     up = upstream_status(parts)
-    body: dict[str, object] = {**parts.admission.status(), "upstream": up, "restarts": up["restarts"]}
+    admission = parts.admission.status()
+    admission["engines"] = engines_status(parts, admission["engines"])
+    body: dict[str, object] = {**admission, "upstream": up, "restarts": up["restarts"]}
     if parts.supervisor is not None:
         body["engine"] = parts.supervisor.status()
     return json(body)

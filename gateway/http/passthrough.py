@@ -28,7 +28,7 @@ _RESPONSE_DROP = frozenset({"set-cookie", "set-cookie2"})
 async def list_models(parts: Parts, request: Request) -> Response:
     rid = request_id(request)
     authenticate(parts.settings, request)
-    reply = await parts.engine.client.request("GET", "/v1/models", timeout=10.0)
+    reply = await parts.serving_engine().client.request("GET", "/v1/models", timeout=10.0)
     if reply.status != 200:
         raise upstream_error_from(reply.status, reply.body, reply.headers)
     info = parse_models(reply.body)
@@ -52,7 +52,7 @@ async def passthrough(parts: Parts, request: Request, path: str) -> Response:
         return Response(status_code=499)
     headers = dict(request.headers.items())
     headers["x-request-id"] = rid
-    stream = await parts.engine.client.open(
+    stream = await parts.serving_engine().client.open(
         request.method, path, body=body or None, headers=headers, params=dict(request.query_params)
     )
     if stream.status >= 400 and stream.headers.get("content-type", "").startswith("application/json"):

@@ -12,7 +12,8 @@ import jsonschema
 import pytest
 import yaml
 
-from gateway.config import ENV_PREFIX, Settings, build_settings
+from gateway.config import ENV_PREFIX, Settings
+from gateway.settings_sources import build_settings
 from tests.support.paths import ROOT
 
 SCHEMA = json.loads((ROOT / "tests/fixtures/compose-spec.json").read_text(encoding="utf-8"))
@@ -137,7 +138,7 @@ def test_each_gateway_service_gets_valid_settings_from_env_example_and_compose(
     settings = build_settings({}, None, env)
     assert settings.port == 8080 and settings.host == "0.0.0.0"
     if service == "guard":
-        assert settings.upstream == "http://vllm:8000" and not settings.managed
+        assert settings.upstream == ["http://vllm:8000"] and not settings.managed
     else:
         assert settings.managed and settings.model == env_example()["MODEL"]
 

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config import ENV_PREFIX, Settings, build_settings
+from gateway.config import ENV_PREFIX, Settings
+from gateway.settings_sources import build_settings
 from tests.support.paths import ROOT
 
 kubernetes_validate = pytest.importorskip(

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 ROOT = Path(__file__).resolve().parents[2]
 MODELS_DIR = ROOT / ".models"
 VENV_BIN = Path(sys.executable).parent
@@ -265,6 +267,19 @@ def metric_sum(text: str, name: str) -> float:
         # "value" or "value timestamp"
         total += float(rest.split()[0])
     return total
+
+
+def scrape_by_engine(metrics_url: str, name: str) -> dict[str, float]:
+    """One metric of a vLLM's ``/metrics`` summed per ``engine`` label: its data-parallel engines ("0" unlabelled)."""
+    with urllib.request.urlopen(metrics_url, timeout=10.0) as resp:
+        page = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == name:
+                engine = sample.labels.get("engine", "0")
+                out[engine] = out.get(engine, 0.0) + sample.value
+    return out
 
 
 def _answers_ok(url: str) -> bool:

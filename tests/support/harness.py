@@ -62,6 +62,8 @@ class GatewayServer:
 def run_gateway(settings: Settings, **overrides: Any) -> Iterator[GatewayServer]:
     port = free_port()
     settings = settings.model_copy(update={"host": "127.0.0.1", "port": port, **overrides})
+    if isinstance(settings.upstream, str):  # a copy is not validated: one URL given as the flag's value is
+        settings = settings.model_copy(update={"upstream": [settings.upstream]})
     app = create_app(settings)
     # The production server and its connection limits; only the log level differs.
     server = build_server(app, settings, log_level="warning")

@@ -7,7 +7,8 @@ Integration tests and benchmarks put it where a real vLLM would be:
 
 ``async with run_sim_server(...)`` serves on the running loop instead of a thread, and
 ``create_sim_app(config)`` gives the bare ASGI app (``app.state.sim`` is the engine) for
-``httpx.ASGITransport``. The engine is in vllm_sim_engine.py, prompt rendering in vllm_sim_text.py.
+``httpx.ASGITransport``. The engine is in vllm_sim_engine.py, prompt rendering in vllm_sim_text.py, and
+``SimConfig.data_parallel_size`` engines behind one server (``X-data-parallel-rank``) in vllm_sim_dp.py.
 Texts and shapes follow vLLM's own source (entrypoints/openai, renderers/params.py, v1/metrics).
 """
 
@@ -36,6 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from .vllm_sim_dp import RANK_HEADER, DataParallelSimulator, RankOutOfRange, requested_rank
 from .vllm_sim_engine import VLLM_VERSION, Fault, Sequence, SimConfig, Simulator
 from .vllm_sim_text import ChatTemplateError, PromptCounter, chat_template_kwargs
 from .vllm_sim_wire import (
@@ -49,7 +51,7 @@ from .vllm_sim_wire import (
     full_body,
 )
 
-__all__ = ["Fault", "SimConfig", "SimServer", "Simulator", "create_sim_app", "run_sim_server"]
+__all__ = ["DataParallelSimulator", "Fault", "SimConfig", "SimServer", "Simulator", "create_sim_app", "run_sim_server"]
 
 AUTH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 MAX_N = 1024  # envs.VLLM_MAX_N_SEQUENCES
@@ -127,7 +129,7 @@ def _drop_connection(scope: Scope) -> None:
 class _SimApp:
     """The HTTP side: routes, validation, responses, faults."""
 
-    def __init__(self, sim: Simulator) -> None:
+    def __init__(self, sim: Simulator | DataParallelSimulator) -> None:
         self.sim = sim
         self.config = sim.config
         self.counter = PromptCounter(sim.config.tokenizer)
@@ -186,7 +188,7 @@ class _SimApp:
         body = await self.read_json(request)
         if isinstance(body, JSONResponse):
             return body
-        request_index = self.sim.record_request(body)
+        request_index = self.sim.record_request(body, request.headers.get(RANK_HEADER))
         fault = self.config.fault
         if fault is not None and fault is not Fault.DIE_MID_STREAM:
             faulted = await self._fault(request, fault, bool(body.get("stream")))
@@ -203,6 +205,11 @@ class _SimApp:
                                                "msg": f"Value error, {exc.message}", "input": body,
                                                "ctx": {"error": exc.message}}], exc.param)
             return self.error(exc.message, exc.err_type, exc.status, exc.param)
+        try:
+            # The input processor checks the rank last, once the request was rendered and validated.
+            rank = requested_rank(request.headers.get(RANK_HEADER), self.config.data_parallel_size)
+        except RankOutOfRange as exc:
+            return self._engine_refusal(str(exc), plan.stream)
         run = _Run(len(plan.prompts) * plan.n, plan.stream)
         if max(plan.prompts) >= self.sim.capacity_tokens:
             # Only reachable with a cache smaller than max_model_len, which vLLM refuses at start-up.
@@ -211,7 +218,7 @@ class _SimApp:
         for i, (ids, max_tokens) in enumerate(zip(plan.prompt_ids, plan.max_tokens, strict=True)):
             target = self.sim.output_length(request_index, max_tokens, plan.ignore_eos)
             run.seqs += self.sim.submit(ids, plan.n, max_tokens, target, run.on_token, first_index=i * plan.n,
-                                        lora=plan.lora, cache_salt=plan.cache_salt)
+                                        lora=plan.lora, cache_salt=plan.cache_salt, rank=rank)
         scope = request.scope
         if plan.stream:
             return _asgi(lambda receive, send: self._stream(scope, receive, send, plan, run))
@@ -219,6 +226,14 @@ class _SimApp:
             # orjson rather than JSONResponse's json.dumps: this is the benchmark's hot path.
             return Response(orjson.dumps(full_body(plan, run.seqs, plan.model)), media_type="application/json")
         return _asgi(lambda receive, send: self._respond_when_done(receive, send, plan, run))
+
+    def _engine_refusal(self, message: str, stream: bool) -> Response:
+        """An error the engine client raises while the response is produced: a 400, or once vLLM has begun a
+        stream, one error event and ``[DONE]`` after a 200."""
+        if not stream:
+            return self.error(message)
+        event = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}})
+        return Response(f"data: {event}\n\ndata: [DONE]\n\n".encode(), media_type="text/event-stream")
 
     def _check_model(self, model: str | None) -> None:
         if model and model != self.config.model and model not in self.config.lora_modules:
@@ -543,10 +558,11 @@ class _Guard:
 
 
 def create_sim_app(config: SimConfig) -> Any:
-    """The simulator's ASGI app; ``app.state.sim`` is its :class:`Simulator`."""
+    """The simulator's ASGI app; ``app.state.sim`` is its :class:`Simulator`, or with ``data_parallel_size`` over
+    1 its :class:`DataParallelSimulator`."""
     from .vllm_sim_routes import SimRoutes  # it builds on this module's helpers
 
-    sim = Simulator(config)
+    sim = Simulator(config) if config.data_parallel_size == 1 else DataParallelSimulator(config)
     handlers = _SimApp(sim)
     more = SimRoutes(handlers)
 
@@ -592,7 +608,7 @@ def _phrase(status: int) -> str:
 @dataclass
 class SimServer:
     url: str
-    sim: Simulator
+    sim: Simulator | DataParallelSimulator
 
 
 class run_sim_server:

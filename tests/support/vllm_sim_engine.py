@@ -34,24 +34,54 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from .vllm_sim_blocks import KvCache
-from .vllm_sim_metrics import SimMetrics
+from .vllm_sim_metrics import EngineMetrics, SimMetrics
 from .vllm_sim_types import Fault, Prompt, Sequence, SimConfig
 
 VLLM_VERSION = "0.32.0"
 REQUESTS_SEEN_LIMIT = 1000
 
 
-class Simulator:
-    """The engine: sequences, KV blocks, the scheduler loop and the counters tests assert on."""
+class RequestLog:
+    """What the API server saw, for tests (request bodies, their X-data-parallel-rank headers), and each
+    request's output length (``SimConfig.stop_early``)."""
 
-    def __init__(self, config: SimConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: SimConfig) -> None:
         self.config = config
+        self.requests_seen: deque[dict[str, Any]] = deque(maxlen=REQUESTS_SEEN_LIMIT)
+        self.rank_headers_seen: deque[str | None] = deque(maxlen=REQUESTS_SEEN_LIMIT)
+        self.request_count = 0
+
+    def record_request(self, body: dict[str, Any], rank_header: str | None = None) -> int:
+        """Remember a request body and its rank header (None where it had none); returns its index (the
+        ``stop_early`` argument)."""
+        self.requests_seen.append(body)
+        self.rank_headers_seen.append(rank_header)
+        index = self.request_count
+        self.request_count += 1
+        return index
+
+    def output_length(self, request_index: int, max_tokens: int, ignore_eos: bool) -> int:
+        stop_early = self.config.stop_early
+        if stop_early is None or ignore_eos:
+            return max_tokens
+        return max(1, min(max_tokens, stop_early(request_index, max_tokens)))
+
+
+class Simulator(RequestLog):
+    """The engine: sequences, KV blocks, the scheduler loop and the counters tests assert on.
+
+    With data parallelism (vllm_sim_dp.py) it is one engine core, ``rank``, publishing its series on the
+    server's shared ``metrics``.
+    """
+
+    def __init__(self, config: SimConfig, *, clock: Callable[[], float] = time.monotonic, rank: int = 0,
+                 metrics: SimMetrics | None = None) -> None:
+        super().__init__(config)
         self.clock = clock
+        self.rank = rank
         self.kv = KvCache(config.num_blocks, config.block_size, config.prefix_caching)
         self.preemptions_total = 0
         self.cancelled = 0
-        self.requests_seen: deque[dict[str, Any]] = deque(maxlen=REQUESTS_SEEN_LIMIT)
-        self.request_count = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # vllm:prefix_cache_queries_total and _hits_total: tokens looked up and found at first schedulings.
@@ -63,7 +93,10 @@ class Simulator:
         self.frozen_page: bytes | None = None
         self._running: list[Sequence] = []
         self._waiting: deque[Sequence] = deque()
-        self._metrics = None if config.disable_log_stats else SimMetrics(config)
+        if metrics is None and not config.disable_log_stats:
+            metrics = SimMetrics(config)
+        self._registry = None if metrics is None else metrics.registry
+        self._metrics: EngineMetrics | None = None if metrics is None else metrics.engines[rank]
         # Token ids the simulator makes up are negative, so no tokenizer's id equals one of them.
         self._next_made_up_id = -1
         self._finished = 0
@@ -111,26 +144,17 @@ class Simulator:
     def metrics_text(self) -> bytes:
         if self.frozen_page is not None:
             return self.frozen_page
-        if self._metrics is None:
+        if self._registry is None:
             return b""
-        m = self._metrics
-        m.running.set(self.running)
-        m.waiting.set(self.waiting)
-        m.kv_usage.set(self.kv_cache_usage)
-        return generate_latest(m.registry)
+        self.publish()
+        return generate_latest(self._registry)
 
-    def record_request(self, body: dict[str, Any]) -> int:
-        """Remember a request body for tests; returns its index (the ``stop_early`` argument)."""
-        self.requests_seen.append(body)
-        index = self.request_count
-        self.request_count += 1
-        return index
-
-    def output_length(self, request_index: int, max_tokens: int, ignore_eos: bool) -> int:
-        stop_early = self.config.stop_early
-        if stop_early is None or ignore_eos:
-            return max_tokens
-        return max(1, min(max_tokens, stop_early(request_index, max_tokens)))
+    def publish(self) -> None:
+        """Set this engine's gauges to its present state (vLLM's scheduler stats of its latest step)."""
+        if self._metrics is not None:
+            self._metrics.running.set(self.running)
+            self._metrics.waiting.set(self.waiting)
+            self._metrics.kv_usage.set(self.kv_cache_usage)
 
     # -- submission ------------------------------------------------------------------------------------
 
@@ -145,13 +169,17 @@ class Simulator:
         first_index: int = 0,
         lora: tuple[str, str] | None = None,
         cache_salt: str | None = None,
+        rank: int | None = None,
     ) -> list[Sequence]:
         """Queue the ``n`` sequences of one prompt; ``on_token`` runs after each token and at the end.
 
         ``prompt`` is its token ids, or a number of tokens: ids no other prompt has. ``lora`` is the adapter
-        (name, path) and ``cache_salt`` the request's salt; both key the prompt's blocks apart. When nothing
-        needs time and the blocks suffice, every sequence completes before this returns.
+        (name, path) and ``cache_salt`` the request's salt; both key the prompt's blocks apart. ``rank``: the
+        data-parallel rank the request asked for, which can only be this engine's. When nothing needs time and
+        the blocks suffice, every sequence completes before this returns.
         """
+        if rank is not None and rank != self.rank:
+            raise ValueError(f"engine {self.rank} was asked to run a request of rank {rank}")
         now = self.clock()
         ids = self._made_up_ids(prompt) if isinstance(prompt, int) else list(prompt)
         # vLLM refuses to start with a cache smaller than one max_model_len request; the simulator accepts
@@ -162,7 +190,7 @@ class Simulator:
                              f"({self.capacity_tokens} tokens)")
         shared = Prompt(ids, lora, cache_salt)
         seqs = [Sequence(first_index + i, shared, max_tokens, target, on_token, now,
-                         self._made_up_ids(target)[0]) for i in range(n)]
+                         self._made_up_ids(target)[0], rank=self.rank) for i in range(n)]
         if self.kv.caching:
             keys = self.kv.keys(seqs[0], len(ids) // self.config.block_size)
             for seq in seqs[1:]:
@@ -395,4 +423,4 @@ class Simulator:
                 await task
 
 
-__all__ = ["VLLM_VERSION", "Fault", "Prompt", "Sequence", "SimConfig", "Simulator"]
+__all__ = ["VLLM_VERSION", "Fault", "Prompt", "RequestLog", "Sequence", "SimConfig", "Simulator"]

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Send
 
 from .vllm_sim import _asgi, _Rejected, _Run, _until_disconnect
+from .vllm_sim_dp import RANK_HEADER
 from .vllm_sim_engine import Sequence
 from .vllm_sim_text import ChatTemplateError
 from .vllm_sim_wire import token_text
@@ -47,7 +48,7 @@ class SimRoutes:
         body = await self.app.read_json(request)
         if isinstance(body, JSONResponse):
             return body
-        self.app.sim.record_request(body)
+        self.app.sim.record_request(body, request.headers.get(RANK_HEADER))
         try:
             self.app._check_model(body.get("model"))
             result: Response = await plan(body, request)

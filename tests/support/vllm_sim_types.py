@@ -57,6 +57,8 @@ class SimConfig:
     enable_prompt_tokens_details: bool = False
     # --lora-modules name=path: adapter names a request may give as ``model``; their KV is keyed apart.
     lora_modules: dict[str, str] = field(default_factory=dict)
+    # --data-parallel-size: engine cores behind the one API server, each with num_blocks blocks of its own.
+    data_parallel_size: int = 1
 
 
 @dataclass(eq=False)
@@ -95,6 +97,8 @@ class Sequence:
     created_cache_tokens: int | None = None
     # 1 for the first sequence the engine finished, 2 for the next, ...
     finish_order: int = 0
+    # The data-parallel engine (rank) it runs on.
+    rank: int = 0
 
     @property
     def prompt_tokens(self) -> int:

@@ -29,7 +29,14 @@ def test_serve_help_explains_every_flag() -> None:
 @pytest.mark.parametrize(
     ("argv", "env", "expected"),
     [
-        (["serve", "--upstream", "http://h:1", "--kv-target", "0.5"], {}, {"upstream": "http://h:1", "kv_target": 0.5}),
+        (["serve", "--upstream", "http://h:1", "--kv-target", "0.5"], {}, {
+            "upstream": ["http://h:1"], "kv_target": 0.5,
+        }),
+        (
+            ["serve", "--upstream", "http://h:1", "--upstream", "http://h:2/"], {},
+            {"upstream": ["http://h:1", "http://h:2"]},
+        ),
+        (["serve"], {"VLLM_GUARD_UPSTREAM": "http://h:1,http://h:2"}, {"upstream": ["http://h:1", "http://h:2"]}),
         (["serve", "--api-key", "a", "--api-key", "b=3"], {}, {"api_key": ["a", "b=3"]}),
         (["serve"], {"VLLM_GUARD_MAX_QUEUE": "9"}, {"max_queue": 9}),
         (["serve", "--max-queue", "4"], {"VLLM_GUARD_MAX_QUEUE": "9"}, {"max_queue": 4}),
@@ -60,6 +67,8 @@ def test_a_config_file_is_read_and_flags_win(tmp_path: Path) -> None:
         (["serve", "--kv-target", "3"], "--kv-target"),
         (["serve", "--managed"], "--managed needs --model"),
         (["serve", "--upstream", "localhost:8000"], "http(s) URL"),
+        (["serve", "--upstream", "http://h:1", "--upstream", "http://h:1"], "the same server twice"),
+        (["serve", "--managed", "--model", "m", "--upstream", "http://h:1", "--upstream", "http://h:2"], "one engine"),
     ],
 )
 def test_invalid_settings_exit_2_with_a_clear_message(

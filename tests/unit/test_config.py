@@ -5,13 +5,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.config import Settings, build_settings, load_config_file
+from gateway.config import Settings
+from gateway.settings_sources import build_settings, load_config_file
 
 
 def test_defaults_are_valid_and_match_the_design() -> None:
     s = Settings()
     assert (s.on_prompt_overflow, s.on_max_tokens_overflow, s.admission_policy) == ("reject", "clamp", "adaptive")
-    assert s.upstream == "http://127.0.0.1:8000" and s.port == 8080
+    assert s.upstream == ["http://127.0.0.1:8000"] and s.port == 8080
 
 
 def test_flags_beat_environment_which_beats_the_file() -> None:

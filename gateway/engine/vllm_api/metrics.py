@@ -77,7 +77,9 @@ class EngineMetrics:
     prefix_cache_hits_total: float | None = None  # tokens
     admission_rejections_total: float | None = None  # 0.29+, every reason together
     block_size: int | None = None
-    num_gpu_blocks: int | None = None  # one engine's; from kv_cache_size_tokens when vLLM gives only that
+    # One engine's (on a data-parallel page the engines' sum, as vLLM labels it: ``ranks`` has each engine's);
+    # from kv_cache_size_tokens when vLLM gives only that.
+    num_gpu_blocks: int | None = None
     kv_cache_size_tokens: int | None = None  # as vLLM states it (0.26+)
     prefix_caching: bool | None = None
     engines: int = 0  # data-parallel engines that published their cache configuration
@@ -140,7 +142,7 @@ def parse_metrics(text: str) -> EngineMetrics:
         kv_cache_size_tokens=cache.kv_cache_size_tokens,
         prefix_caching=cache.prefix_caching,
         engines=len(whole.caches),
-        ranks={rank: series.rank() for rank, series in sorted(by_rank.items())},
+        ranks={rank: series.rank(len(by_rank)) for rank, series in sorted(by_rank.items())},
     )
 
 
@@ -167,12 +169,12 @@ class _Series:
     def kv_usage(self) -> float | None:
         return _fraction(next((self.usage[n] for n in _KV_USAGE if n in self.usage), None))
 
-    def rank(self) -> RankMetrics:
+    def rank(self, ranks: int) -> RankMetrics:
         total = self.totals()
         return RankMetrics(
             kv_usage=self.kv_usage(), running=_count(total["running"]), waiting=_count(total["waiting"]),
             preemptions_total=total["preemptions_total"], generation_tokens_total=total["generation_tokens_total"],
-            num_gpu_blocks=_capacity(self.caches).num_gpu_blocks,
+            num_gpu_blocks=_rank_blocks(_capacity(self.caches), ranks),
         )
 
 
@@ -236,3 +238,12 @@ def _positive_int(raw: str | None) -> int | None:
     except (ValueError, OverflowError):
         return None  # vLLM writes "None" before the cache is sized
     return value if value > 0 else None
+
+
+def _rank_blocks(cap: _Capacity, ranks: int) -> int | None:
+    """One data-parallel engine's blocks: vLLM's API server labels every engine's ``vllm:cache_config_info`` with
+    the sum of their ``num_gpu_blocks`` (vllm/v1/engine/core_client.py: "Sum num_gpu_blocks from all engines in DP
+    case"), and with one engine's ``kv_cache_size_tokens``."""
+    if cap.kv_cache_size_tokens is not None and cap.block_size is not None:
+        return cap.kv_cache_size_tokens // cap.block_size
+    return None if cap.num_gpu_blocks is None else cap.num_gpu_blocks // max(1, ranks)

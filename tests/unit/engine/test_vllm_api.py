@@ -44,11 +44,12 @@ PAGES: dict[str, dict[str, Any]] = {
         "block_size": 128, "num_gpu_blocks": 32, "kv_cache_size_tokens": 4096, "prefix_caching": True, "engines": 1,
     },
     "v1-0.32.0-dp2": {
-        # Counts summed over the two engines, the fuller engine's usage, one engine's capacity.
+        # Counts summed over the two engines, the fuller engine's usage; blocks as vLLM labels every engine (the
+        # engines' sum), tokens one engine's (each rank's own blocks: ``ranks``).
         "has_metrics": True, "kv_usage": 0.7, "running": 7, "waiting": 2, "preemptions_total": 3.0,
         "prompt_tokens_total": 4000.0, "generation_tokens_total": 1200.0, "request_success_total": 12.0,
         "prefix_cache_queries_total": 10400.0, "prefix_cache_hits_total": 2560.0,
-        "block_size": 128, "num_gpu_blocks": 32, "kv_cache_size_tokens": 4096, "prefix_caching": True, "engines": 2,
+        "block_size": 128, "num_gpu_blocks": 64, "kv_cache_size_tokens": 4096, "prefix_caching": True, "engines": 2,
     },
     "v1-0.32.0-disable-log-stats": {},
     "v1-0.33.0": {

@@ -41,6 +41,7 @@ class FakeUpstream:
 class FakeReservation:
     def __init__(self) -> None:
         self.released: list[bool] = []
+        self.target = None  # not placed: the gateway's one engine
 
     def observe_output_tokens(self, generated: int) -> None:
         pass

@@ -126,6 +126,7 @@ class FakeReservation:
     def __init__(self) -> None:
         self.observed: list[int] = []
         self.released: list[bool] = []
+        self.target = None  # not placed: the gateway's one engine
 
     def observe_output_tokens(self, generated: int) -> None:
         self.observed.append(generated)

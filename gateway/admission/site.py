@@ -1,0 +1,190 @@
+"""One engine as admission books it: a vLLM server, or one data-parallel rank of one.
+
+Each site has what admission knows of its engine alone: the KV capacity and live usage (``kv``), the books of the
+blocks its requests hold (prefix-aware), what the adaptive policy learned from it (``projector``), its requests in
+flight, and the prompts it finished lately (vLLM keeps freed blocks cached until they are needed again). The queue,
+its deadlines and the tenants' shares are the controller's, across every site.
+
+A data-parallel vLLM is one URL and several engines, each with its own KV cache; its metrics carry each engine's
+series under an ``engine`` label (read in ``gateway/engine/vllm_api/metrics.py``). A rank's site reads only its
+rank's figures (``RankView``), and its requests carry ``X-data-parallel-rank``, which vLLM's API server honours
+instead of its own balancing (``vllm/entrypoints/generate/base/serving.py``, vLLM 0.32).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+from gateway.admission.books import Books
+from gateway.admission.kv_view import KvView, SnapshotSource, foreign_sequences
+from gateway.admission.ledger import Capacity
+from gateway.admission.policy import Policy
+from gateway.admission.prefix import BlockKey
+from gateway.admission.projection import Projector
+from gateway.admission.reservation import Reservation, Target
+from gateway.config import Settings
+from gateway.engine.live import EngineSnapshot, EngineView
+
+RECENT_KEYS = 4096  # block keys of finished prompts remembered per site: affinity, not accounting
+
+
+class RankView:
+    """An engine view narrowed to one data-parallel rank: its own capacity, usage and counts."""
+
+    def __init__(self, view: EngineView, rank: str) -> None:
+        self._view = view
+        self.rank = rank
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        return rank_snapshot(self._view.snapshot, self.rank)
+
+    def is_stale(self) -> bool:
+        return self._view.is_stale()
+
+    def age(self) -> float | None:
+        return self._view.age()
+
+    def publish_freshness(self) -> None:
+        self._view.publish_freshness()
+
+
+def rank_snapshot(snap: EngineSnapshot, rank: str) -> EngineSnapshot:
+    """``snap`` as one rank sees it: its usage, counts and blocks; the engine's where the rank says nothing."""
+    r = snap.ranks.get(rank)
+    if r is None:
+        return replace(snap, kv_usage=None, running=None, waiting=None, preemptions_total=None, ranks={})
+    return replace(
+        snap, kv_usage=r.kv_usage, running=r.running, waiting=r.waiting, preemptions_total=r.preemptions_total,
+        generation_tokens_total=r.generation_tokens_total, num_gpu_blocks=r.num_gpu_blocks or snap.num_gpu_blocks,
+        ranks={},
+    )
+
+
+class Claim(Protocol):
+    @property
+    def blocks(self) -> int: ...
+
+
+class SharedHeadroom(Protocol):
+    def reserved(self, r: Any, budget: int) -> int: ...
+
+
+class SiteHeadroom:
+    """The tenants' headroom, kept over every site's budget together, split among the sites by their budgets:
+    one site keeps its part of the room the other active tenants are owed across the pool."""
+
+    def __init__(self, headroom: SharedHeadroom, pool_budget: Any) -> None:
+        self._headroom = headroom
+        self._pool_budget = pool_budget  # () -> int: the sites' budgets together
+
+    def reserved(self, r: Any, budget: int) -> int:
+        total = max(budget, int(self._pool_budget()))
+        room = self._headroom.reserved(r, total)
+        return room if total == budget else math.ceil(room * budget / total)
+
+
+class RecentPrefixes:
+    """Block keys of the prompts a site finished lately, least recent forgotten first: vLLM keeps a finished
+    request's blocks cached until it needs them again, so a prompt that shares them is cheaper there."""
+
+    def __init__(self, size: int = RECENT_KEYS) -> None:
+        self._keys: OrderedDict[BlockKey, None] = OrderedDict()
+        self._size = size
+
+    def add(self, keys: Sequence[BlockKey]) -> None:
+        for key in keys:
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self._size:
+            self._keys.popitem(last=False)
+
+    def prefix(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``, from the first, were seen lately (a chain: a key implies its predecessors)."""
+        low, high = 0, len(keys)
+        while low < high:
+            mid = (low + high) // 2
+            if keys[mid] in self._keys:
+                low = mid + 1
+            else:
+                high = mid
+        return low
+
+
+class Site:
+    """One engine's books and what admission learned of it."""
+
+    def __init__(
+        self, target: Target, view: SnapshotSource | None, settings: Settings, headroom: Any
+    ) -> None:
+        self.target = target
+        self.kv = KvView(view, settings)
+        self.books = Books()
+        self.projector = Projector(credit_window=2 * settings.scrape_interval)
+        self.policy = Policy(settings, self.kv, self.books, self.projector, headroom)
+        self.in_flight: set[Reservation] = set()
+        self.recent = RecentPrefixes()
+        self.foreign = 0  # sequences the engine runs or queues beyond the gateway's, at the last snapshot
+        self.admitted_total = 0
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    def capacity(self) -> Capacity | None:
+        return self.kv.capacity()
+
+    def budget(self, cap: Capacity | None) -> int | None:
+        return self.kv.budget(cap) if cap is not None else None
+
+    def free_blocks(self) -> int:
+        """Budget left over the books (or minus the requests in flight while the capacity is unknown)."""
+        cap = self.capacity()
+        return self.kv.budget(cap) - self.books.committed if cap is not None else -len(self.in_flight)
+
+    def affinity(self, r: Reservation) -> int:
+        """Prompt blocks of ``r`` this engine holds or lately held: the prefill it would skip here."""
+        if not r.keys:
+            return 0
+        return max(self.books.held_prefix(r.keys), self.recent.prefix(r.keys))
+
+    def fits(self, r: Reservation, in_flight_limit: Collection[Reservation] | None = None) -> bool:
+        cap = self.capacity()
+        budget = self.kv.budget(cap) if cap is not None else 0
+        return self.policy.fits(r, cap, budget, self.in_flight if in_flight_limit is None else in_flight_limit)
+
+    def observe(self, snap: EngineSnapshot) -> EngineSnapshot:
+        """The site's view of an engine-wide snapshot (its rank's, on a data-parallel engine)."""
+        return rank_snapshot(snap, str(self.target.rank)) if self.target.rank is not None else snap
+
+    def learn(self, old: EngineSnapshot, new: EngineSnapshot) -> float:
+        """A new snapshot of the engine: foreign traffic, and preemptions; returns those not blamed on us."""
+        old, new = self.observe(old), self.observe(new)
+        self.foreign = foreign_sequences(new, self.in_flight)
+        return self.projector.observe(old, new, self.in_flight, foreign=self.foreign > 0)
+
+    def status(self, mode: str, sharing: bool) -> dict[str, Any]:
+        cap = self.capacity()
+        budget = self.budget(cap)
+        engine = self.kv.engine_status()
+        return {
+            "name": self.name,
+            "engine": self.target.engine,
+            "rank": self.target.rank,
+            "capacity_blocks": cap.blocks if cap else None,
+            "budget_blocks": budget,
+            "committed_blocks": self.books.committed,
+            "live_used_blocks": self.kv.live_used(cap),
+            "in_flight": len(self.in_flight),
+            "admitted_total": self.admitted_total,
+            "foreign_sequences": self.foreign,
+            "optimism": round(self.projector.optimism.value, 4),
+            "prefix_sharing": self.books.status(mode, sharing),
+            "kv_usage": engine["kv_usage"] if engine else None,
+            "running": engine["running"] if engine else None,
+            "waiting": engine["waiting"] if engine else None,
+        }
