@@ -1,4 +1,4 @@
-"""A real vLLM (CPU build) whose engine core is frozen with SIGSTOP while streams run, behind the gateway in
+"""A real vLLM (CPU build) whose engine core is frozen with SIGSTOP under open streams, behind the gateway in
 proxy mode: vLLM's API server keeps answering /health and /metrics with 200, the gateway calls the engine hung
 within --hang-timeout, refuses new requests at once, ends the streams with an error event, and takes requests
 again after SIGCONT. The engine is this module's own: freezing the session's would disturb the other tests."""
@@ -76,18 +76,18 @@ class Stream(threading.Thread):
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
         self.url = url
-        self.started = threading.Event()
+        self.headed = threading.Event()
+        self.status: int | None = None
         self.events: list[dict[str, Any]] = []
         self.ended_at: float | None = None
 
     def run(self) -> None:
         with httpx.stream("POST", self.url + "/v1/completions", json=STREAM, timeout=120) as response:
+            self.status = response.status_code
+            self.headed.set()
             for line in response.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    event = orjson.loads(line[6:])
-                    self.events.append(event)
-                    if "choices" in event:
-                        self.started.set()
+                    self.events.append(orjson.loads(line[6:]))
         self.ended_at = time.monotonic()
 
 
@@ -110,18 +110,23 @@ def test_a_frozen_engine_core_is_hung_refused_cut_and_rejoins_after_sigcont(
     warm = httpx.post(engine.url + "/v1/completions", json={**STREAM, "stream": False, "max_tokens": 4}, timeout=120)
     assert warm.status_code == 200, warm.text
     wait_for_status(gateway.url, 200, 30)
-    streams = [Stream(gateway.url) for _ in range(2)]
-    for s in streams:
-        s.start()
-    for s in streams:
-        assert s.started.wait(60), f"no first token: {s.events}"
     before = httpx.get(gateway.url + "/guard/status").json()["upstream"]["progress"]
     assert not before["hung"], before
+    # Frozen first, then the streams opened: vLLM's API server still answers their head (200, text/event-stream)
+    # and then sends nothing. (Freezing under streams already running races the engine core, which on this tiny
+    # model can generate every token before the freeze lands while a busy API server is still relaying them.)
     os.kill(core, signal.SIGSTOP)
     frozen_at = time.monotonic()
+    streams = [Stream(gateway.url) for _ in range(2)]
     try:
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.headed.wait(HANG_TIMEOUT), "no response head from the frozen engine's API server"
+            assert s.status == 200
         assert httpx.get(engine.url + "/health", timeout=5).status_code == 200, "vLLM itself still says healthy"
-        took = wait_for_status(gateway.url, 503, HANG_TIMEOUT + 10)
+        wait_for_status(gateway.url, 503, HANG_TIMEOUT + 10)
+        took = time.monotonic() - frozen_at
         print(f"hung declared {took:.1f} s after SIGSTOP (--hang-timeout {HANG_TIMEOUT:g})")
         assert took <= HANG_TIMEOUT + 3
         assert httpx.get(gateway.url + "/health").json()["upstream"]["state"] == "hung"
