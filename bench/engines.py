@@ -12,8 +12,18 @@ Per cell: output tokens/s and its ratio to direct (medians of the runs), mean an
 vLLM's preemptions in each run (per rank, from its ``engine``-labelled counters), the requests each rank finished
 in the median run, and failed requests.
 
+``--workload prefix-groups``: two prefix groups, the traffic where placement by prefix pays. vLLM's client,
+``prefix_repetition`` dataset: two random shared prefixes of ``--prefix-len`` tokens (1,000), each followed in
+half the requests by a unique ``--suffix-len``-token suffix (32), ``--output-len`` output tokens (32, with
+``--ignore-eos``), ``--max-concurrency`` requests at a time (8: both ranks busy). vLLM alone places by load, so
+each rank computes each prefix; the gateway (adaptive by default) prefers the rank that holds or lately held the
+request's prefix. Per target: the prefix-cache hit rate (the runs' deltas of ``vllm:prefix_cache_hits_total``
+over ``vllm:prefix_cache_queries_total``, all ranks and per rank), output tokens/s, mean TTFT, requests per rank,
+preemptions, and the gateway/direct ratios of the medians.
+
     .venv/bin/python bench/engines.py                                  # direct / strict / adaptive, 3 runs
     .venv/bin/python bench/engines.py --num-prompts 8 --output-len 400 --repeat 5
+    .venv/bin/python bench/engines.py --workload prefix-groups         # direct / adaptive, 3 runs
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
@@ -52,6 +62,11 @@ GATEWAY_ARGS = ("--queue-timeout", "600")
 MODES = {"strict": ("--admission-policy", "strict"), "adaptive": ("--admission-policy", "adaptive")}
 PREEMPTED = "vllm:num_preemptions_total"
 FINISHED = "vllm:request_success_total"
+HITS = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
+COUNTERS = (PREEMPTED, FINISHED, HITS, QUERIES)
+WORKLOADS = ("flood", "prefix-groups")
+GROUPS = 2  # prefix groups of the prefix-groups workload
 
 
 @dataclass
@@ -64,19 +79,45 @@ class Run:
     finished: dict[str, float] = field(default_factory=dict)  # per rank
     errors: list[str] = field(default_factory=list)  # what the client saw of each failed request
     refused: dict[str, float] = field(default_factory=dict)  # the gateway's refusals by reason
+    hits: dict[str, float] = field(default_factory=dict)  # prefix-cache hit tokens per rank
+    queries: dict[str, float] = field(default_factory=dict)  # prefix-cache queried tokens per rank
 
     @property
     def preemptions(self) -> float:
         return sum(self.preempted.values())
 
+    @property
+    def hit_rate(self) -> float:
+        queried = sum(self.queries.values())
+        return sum(self.hits.values()) / queried if queried else float("nan")
+
+    def rank_hit_rates(self) -> dict[str, float]:
+        return {k: self.hits.get(k, 0.0) / q if q else float("nan") for k, q in self.queries.items()}
+
 
 def workload_args(args: argparse.Namespace, model: Path, base: str, seed: int) -> list[str]:
+    if args.workload == "prefix-groups":
+        return prefix_groups_args(args, model, base, seed)
     return [
         "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions", "--model", SERVED_MODEL_NAME,
         "--tokenizer", str(model), "--seed", str(seed), "--request-rate", "inf", "--disable-tqdm",
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts), "--ignore-eos",
         "--percentile-metrics", "ttft", "--metric-percentiles", "99",
+    ]  # fmt: skip
+
+
+def prefix_groups_args(args: argparse.Namespace, model: Path, base: str, seed: int) -> list[str]:
+    """Two shared prefixes, each in half the requests; the seed draws new prefixes, so no run hits the last's."""
+    return [
+        "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions", "--model", SERVED_MODEL_NAME,
+        "--tokenizer", str(model), "--seed", str(seed), "--request-rate", "inf", "--disable-tqdm",
+        "--max-concurrency", str(args.max_concurrency), "--dataset-name", "prefix_repetition",
+        "--prefix-repetition-prefix-len", str(args.prefix_len),
+        "--prefix-repetition-suffix-len", str(args.suffix_len),
+        "--prefix-repetition-num-prefixes", str(GROUPS),
+        "--prefix-repetition-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+        "--ignore-eos", "--percentile-metrics", "ttft", "--metric-percentiles", "99",
     ]  # fmt: skip
 
 
@@ -108,17 +149,18 @@ def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]
 def measure(vllm: ServerProcess, base: str, argv: list[str]) -> Run:
     wait_idle(vllm)
     metrics = f"{vllm.url}/metrics"
-    before = {n: scrape_by_engine(metrics, n) for n in (PREEMPTED, FINISHED)}
+    before = {n: scrape_by_engine(metrics, n) for n in COUNTERS}
     refused_before = gateway_refusals(base) if base != vllm.url else {}
     result = vllm_bench(argv)
     wait_idle(vllm)
-    after = {n: scrape_by_engine(metrics, n) for n in (PREEMPTED, FINISHED)}
+    after = {n: scrape_by_engine(metrics, n) for n in COUNTERS}
     refused = delta(gateway_refusals(base), refused_before) if base != vllm.url else {}
     return Run(
         float(result["output_throughput"]), float(result["mean_ttft_ms"]), float(result["p99_ttft_ms"]),
         int(result.get("failed", 0)), delta(after[PREEMPTED], before[PREEMPTED]),
         delta(after[FINISHED], before[FINISHED]), [e[-300:] for e in result.get("errors", []) if e],
-        {k: v for k, v in refused.items() if v},
+        {k: v for k, v in refused.items() if v}, delta(after[HITS], before[HITS]),
+        delta(after[QUERIES], before[QUERIES]),
     )
 
 
@@ -138,6 +180,43 @@ def table(results: dict[str, list[Run]], targets: Sequence[str]) -> str:
             f"{med.p99_ttft_ms:.0f} | {preempted} | {ranks} | {sum(r.failed for r in runs)} |"
         )
     return "\n".join(lines)
+
+
+def prefix_table(results: dict[str, list[Run]], targets: Sequence[str]) -> str:
+    """The prefix-groups figures: medians over the runs, and each run's in turn order."""
+    lines = ["| target | prefix-cache hit rate (runs) | hit rate per run (rank 0 / rank 1) | output tok/s (runs) | "
+             "mean TTFT ms (runs) | requests per run (rank 0 / rank 1) | preemptions, all runs | failed |",
+             "|" + " --- |" * 8]
+    for target in targets:
+        runs = results[target]
+        hit = statistics.median(r.hit_rate for r in runs)
+        ranks = ", ".join(" / ".join(f"{v:.0%}" for v in r.rank_hit_rates().values()) for r in runs)
+        tps = statistics.median(r.tokens_per_s for r in runs)
+        ttft = statistics.median(r.mean_ttft_ms for r in runs)
+        finished = ", ".join(" / ".join(f"{v:.0f}" for v in r.finished.values()) for r in runs)
+        lines.append(
+            f"| {target} | {hit:.1%} ({', '.join(f'{r.hit_rate:.1%}' for r in runs)}) | {ranks} | {tps:.0f} "
+            f"({', '.join(f'{r.tokens_per_s:.0f}' for r in runs)}) | {ttft:.0f} "
+            f"({', '.join(f'{r.mean_ttft_ms:.0f}' for r in runs)}) | {finished} | "
+            f"{sum(r.preemptions for r in runs):.0f} | {sum(r.failed for r in runs)} |"
+        )
+    return "\n".join(lines)
+
+
+def ratios(results: dict[str, list[Run]], policies: Sequence[str], workload: str) -> str:
+    """Each gateway's medians over direct's: output tokens/s, and for prefix groups hit rate and mean TTFT."""
+    figures: dict[str, Callable[[Run], float]] = {"output tokens/s": lambda r: r.tokens_per_s}
+    if workload == "prefix-groups":
+        figures = {"prefix-cache hit rate": lambda r: r.hit_rate, **figures, "mean TTFT": lambda r: r.mean_ttft_ms}
+    parts = []
+    for name, of in figures.items():
+        direct = statistics.median(of(r) for r in results["direct"])
+        each = ", ".join(
+            f"{p}/direct {statistics.median(of(r) for r in results[p]) / direct:.2f}" if direct else f"{p}/direct -"
+            for p in policies
+        )
+        parts.append(f"{name} {each}")
+    return "Gateway over direct, medians: " + "; ".join(parts) + "."
 
 
 def failures(results: dict[str, list[Run]]) -> str:
@@ -183,32 +262,52 @@ def run_all(args: argparse.Namespace, policies: list[str], logs: Path) -> tuple[
     return version, results
 
 
+def describe(args: argparse.Namespace) -> str:
+    if args.workload == "prefix-groups":
+        return (
+            f"{GROUPS} prefix groups, {args.num_prompts} x ({args.prefix_len} shared + {args.suffix_len} unique "
+            f"prompt + {args.output_len} output) tokens, --max-concurrency {args.max_concurrency}, --ignore-eos"
+        )
+    return (
+        f"{args.num_prompts} x ({args.input_len} prompt + {args.output_len} output) tokens, --request-rate inf, "
+        "--ignore-eos"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", action="append", choices=sorted(MODES), help="default strict and adaptive")
+    parser.add_argument("--workload", choices=WORKLOADS, default="flood", help="flood (default) or prefix-groups")
+    parser.add_argument("--policy", action="append", choices=sorted(MODES),
+                        help="default strict and adaptive (flood), adaptive (prefix-groups)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per target, taken in turns (3)")
     parser.add_argument("--num-prompts", type=int, default=16, help="requests per run (16)")
-    parser.add_argument("--input-len", type=int, default=1000, help="prompt tokens per request (1000)")
-    parser.add_argument("--output-len", type=int, default=900, help="output tokens per request (900)")
+    parser.add_argument("--input-len", type=int, default=1000, help="flood: prompt tokens per request (1000)")
+    parser.add_argument("--output-len", type=int, default=None,
+                        help="output tokens per request (flood 900, prefix-groups 32)")
+    parser.add_argument("--prefix-len", type=int, default=1000, help="prefix-groups: shared prefix tokens (1000)")
+    parser.add_argument("--suffix-len", type=int, default=32, help="prefix-groups: unique suffix tokens (32)")
+    parser.add_argument("--max-concurrency", type=int, default=8, help="prefix-groups: requests at a time (8)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
-    policies = args.policy or ["strict", "adaptive"]
+    prefix_groups = args.workload == "prefix-groups"
+    if args.output_len is None:
+        args.output_len = 32 if prefix_groups else 900
+    if prefix_groups and (args.num_prompts < GROUPS or args.num_prompts % GROUPS):
+        parser.error(f"--num-prompts must be a positive multiple of {GROUPS} (the prefix groups), not "
+                     f"{args.num_prompts}")
+    policies = args.policy or (["adaptive"] if prefix_groups else ["strict", "adaptive"])
     logs = Path(tempfile.mkdtemp(prefix="engines-bench-"))
     print(f"engines: logs in {logs}", file=sys.stderr)
     started = time.monotonic()
     version, results = run_all(args, policies, logs)
     targets = ["direct", *policies]
-    direct = statistics.median(r.tokens_per_s for r in results["direct"])
-    ratios = ", ".join(
-        f"{p}/direct {statistics.median(r.tokens_per_s for r in results[p]) / direct:.2f}" for p in policies
-    )
     report = (
         f"{date.today().isoformat()}: vLLM {version} (CPU build), --data-parallel-size {RANKS}, 32-block KV cache "
-        f"per rank; {args.num_prompts} x ({args.input_len} prompt + {args.output_len} output) tokens, "
-        f"--request-rate inf, --ignore-eos; {args.repeat} runs per target in turns, "
+        f"per rank; {describe(args)}; {args.repeat} runs per target in turns, "
         f"{time.monotonic() - started:.0f} s in all; command: "
         f"`.venv/bin/python bench/engines.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
-        f"{table(results, targets)}\n\nOutput tokens/s, medians: {ratios}.{failures(results)}\n"
+        f"{prefix_table(results, targets) if prefix_groups else table(results, targets)}\n\n"
+        f"{ratios(results, policies, args.workload)}{failures(results)}\n"
     )
     print(report)
     if args.out is not None:

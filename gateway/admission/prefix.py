@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 BlockKey = bytes
@@ -62,3 +62,16 @@ def block_keys(prefix: PromptPrefix, block_size: int) -> tuple[BlockKey, ...]:
         parent = h.digest()
         keys.append(parent)
     return tuple(keys)
+
+
+def leading_run(keys: Sequence[BlockKey], known: Container[BlockKey]) -> int:
+    """How many of ``keys``, from the first, ``known`` holds, for chains where a key implies its predecessors
+    (each block's key hashes the one before it): found by bisection."""
+    low, high = 0, len(keys)  # keys[:low] known; keys[high:] not
+    while low < high:
+        mid = (low + high) // 2
+        if keys[mid] in known:
+            low = mid + 1
+        else:
+            high = mid
+    return low

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.admission.prefix import BlockKey
+from gateway.admission.prefix import BlockKey, leading_run
 
 
 class SharedBlocks:
@@ -42,14 +42,7 @@ class SharedBlocks:
 
     def held_prefix(self, keys: Sequence[BlockKey]) -> int:
         """How many of ``keys``, from the first, are held now."""
-        low, high = 0, len(keys)  # keys[:low] held; keys[high:] not
-        while low < high:
-            mid = (low + high) // 2
-            if keys[mid] in self._holders:
-                low = mid + 1
-            else:
-                high = mid
-        return low
+        return leading_run(keys, self._holders)
 
     def missing(self, keys: Sequence[BlockKey]) -> int:
         """Blocks a request with ``keys`` would add if admitted now."""

@@ -23,7 +23,7 @@ from gateway.admission.books import Books
 from gateway.admission.kv_view import KvView, SnapshotSource, foreign_sequences
 from gateway.admission.ledger import Capacity
 from gateway.admission.policy import Policy
-from gateway.admission.prefix import BlockKey
+from gateway.admission.prefix import BlockKey, leading_run
 from gateway.admission.projection import Projector
 from gateway.admission.reservation import Reservation, Target
 from gateway.config import Settings
@@ -105,14 +105,7 @@ class RecentPrefixes:
 
     def prefix(self, keys: Sequence[BlockKey]) -> int:
         """How many of ``keys``, from the first, were seen lately (a chain: a key implies its predecessors)."""
-        low, high = 0, len(keys)
-        while low < high:
-            mid = (low + high) // 2
-            if keys[mid] in self._keys:
-                low = mid + 1
-            else:
-                high = mid
-        return low
+        return leading_run(keys, self._keys)
 
 
 class Site:
