@@ -46,6 +46,14 @@ class Engine(Generic[ModelsT]):
         listing = self.models.cached
         return listing.max_model_len if listing is not None else None
 
+    def serves_like(self, first: Engine[ModelsT]) -> bool:
+        """Whether it serves what ``first`` serves (the models and their context length), as far as both listings
+        are known: an engine that came up later with another model must take nothing."""
+        mine, theirs = self.models.cached, first.models.cached
+        if mine is None or theirs is None:
+            return True
+        return (mine.ids, mine.max_model_len) == (theirs.ids, theirs.max_model_len)
+
     def usable(self) -> bool:
         """Whether requests may be placed on it now: its metrics are fresh and it is not hung."""
         return self.is_fresh() and not self.progress.hung

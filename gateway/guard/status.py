@@ -17,6 +17,7 @@ from gateway.managed.lifecycle import EngineLifecycle
 from gateway.redact import redact_url
 
 HUNG = "hung"  # an engine state of proxy mode: it answers /health but makes no progress
+MISMATCHED = "mismatched"  # another engine than the first that serves another model or context length
 
 
 class UpstreamStatus(TypedDict):
@@ -44,6 +45,8 @@ def engines_status(parts: Parts, rows: list[dict[str, Any]]) -> list[dict[str, A
     for row in rows:
         engine = parts.engine_at(row["engine"])
         state = str(sup.state) if sup is not None else engine_state(engine)
+        if not engine.serves_like(parts.engine):
+            state = MISMATCHED
         out.append({**row, "url": redact_url(engine.url), "state": state, "hung": engine.progress.hung})
     return out
 

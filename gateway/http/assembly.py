@@ -45,7 +45,8 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
         engines.append(await build_engine(settings, Metrics(), stack, None, executor, url=url))
     engine = engines[0]
     admission = Admission(
-        settings, engine.view, metrics, engines=[e.view for e in engines], usable=lambda i: engines[i].usable(),
+        settings, engine.view, metrics, engines=[e.view for e in engines],
+        usable=lambda i: engines[i].usable() and engines[i].serves_like(engine),
     )
     stack.push_async_callback(admission.close)
     tenants = await build_tenants(settings, metrics, stack)
@@ -149,9 +150,7 @@ def check_same_model(engines: list[Engine[Models]]) -> None:
             engines[0].models.update(first)
     for engine in engines[1:]:
         other = engine.models.cached
-        if first is None or other is None:
-            continue
-        if (other.ids, other.max_model_len) != (first.ids, first.max_model_len):
+        if first is not None and other is not None and not engine.serves_like(engines[0]):
             raise ConfigInvalid(
                 f"--upstream {redact_url(engine.url)} serves {other.ids} with max_model_len {other.max_model_len}, "
                 f"but {redact_url(engines[0].url)} serves {first.ids} with max_model_len {first.max_model_len}: "

@@ -227,6 +227,27 @@ async def test_a_gateway_started_before_its_first_engine_serves_on_the_second(
 
 
 # -- engines that disagree ----------------------------------------------------------------------------
+async def test_an_engine_that_comes_up_later_with_another_context_length_takes_nothing(
+    tokenizer: Any, tokenizer_dir: Path, base_settings: Settings
+) -> None:
+    later = run_sim_server(sim_config(tokenizer, tokenizer_dir, max_model_len=1024))
+    with run_sim_server(sim_config(tokenizer, tokenizer_dir)) as first, run_gateway(
+        base_settings, upstream=[first.url, later.url], admission_policy="strict", kv_target=1.0, queue_timeout=30.0,
+    ) as gw, later as second:
+
+        async def mismatched() -> bool:
+            rows = (await get(gw, "/guard/status")).json()["engines"]
+            return [r["state"] for r in rows] == ["ready", "mismatched"]
+
+        await wait_until(mismatched)
+        answers = await send(gw, [body(i) for i in range(FLOOD)])
+        assert [a.status_code for a in answers] == [200] * FLOOD, [a.text for a in answers]
+        assert engines_of(answers) == {"0": FLOOD}
+        assert len(second.sim.requests_seen) == 0
+        gw.wait_ledger_empty()
+
+
+
 @pytest.mark.parametrize(
     ("other", "said"),
     [({"model": "other"}, r"\('other',\)"), ({"max_model_len": 1024}, "max_model_len 1024")],

@@ -631,6 +631,12 @@ class run_sim_server:
         self._thread: threading.Thread | None = None
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def url(self) -> str:
+        """Where it will answer, known before it starts (its port is bound at once; connections are refused
+        until it serves)."""
+        return self._handle().url
+
     def _handle(self) -> SimServer:
         port = self._sock.getsockname()[1]
         return SimServer(url=f"http://127.0.0.1:{port}", sim=self.app.state.sim)

@@ -67,6 +67,22 @@ def test_engines_that_disagree_stop_the_start_naming_both(listings: tuple[ModelL
     assert caught.value.message.endswith("every engine must serve the same model with the same limits")
 
 
+@pytest.mark.parametrize(
+    ("first", "other", "alike"),
+    [
+        (TINY, TINY, True), (TINY, OTHER, False), (TINY, TINY_LONGER, False), (TINY, TINY_AND_ADAPTER, False),
+        (None, OTHER, True), (TINY, None, True),
+    ],
+    ids=["the same", "another model", "another context length", "another adapter", "the first not up yet",
+         "it is not up yet"],
+)
+def test_an_engine_serves_like_the_first_only_with_the_same_models_and_context_length(
+    first: ModelList | None, other: ModelList | None, alike: bool
+) -> None:
+    engines = pool(first, other)
+    assert engines[1].serves_like(engines[0]) is alike
+
+
 def test_the_first_engine_not_up_yet_takes_the_listing_of_the_first_that_is() -> None:
     engines = pool(None, None, TINY)
     check_same_model(engines)
