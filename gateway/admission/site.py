@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -65,11 +65,6 @@ def rank_snapshot(snap: EngineSnapshot, rank: str) -> EngineSnapshot:
     )
 
 
-class Claim(Protocol):
-    @property
-    def blocks(self) -> int: ...
-
-
 class SharedHeadroom(Protocol):
     def reserved(self, r: Any, budget: int) -> int: ...
 
@@ -78,12 +73,12 @@ class SiteHeadroom:
     """The tenants' headroom, kept over every site's budget together, split among the sites by their budgets:
     one site keeps its part of the room the other active tenants are owed across the pool."""
 
-    def __init__(self, headroom: SharedHeadroom, pool_budget: Any) -> None:
+    def __init__(self, headroom: SharedHeadroom, pool_budget: Callable[[], int]) -> None:
         self._headroom = headroom
-        self._pool_budget = pool_budget  # () -> int: the sites' budgets together
+        self._pool_budget = pool_budget  # the sites' budgets together
 
     def reserved(self, r: Any, budget: int) -> int:
-        total = max(budget, int(self._pool_budget()))
+        total = max(budget, self._pool_budget())
         room = self._headroom.reserved(r, total)
         return room if total == budget else math.ceil(room * budget / total)
 
@@ -145,10 +140,10 @@ class Site:
             return 0
         return max(self.books.held_prefix(r.keys), self.recent.prefix(r.keys))
 
-    def fits(self, r: Reservation, in_flight_limit: Collection[Reservation] | None = None) -> bool:
+    def fits(self, r: Reservation) -> bool:
         cap = self.capacity()
         budget = self.kv.budget(cap) if cap is not None else 0
-        return self.policy.fits(r, cap, budget, self.in_flight if in_flight_limit is None else in_flight_limit)
+        return self.policy.fits(r, cap, budget, self.in_flight)
 
     def observe(self, snap: EngineSnapshot) -> EngineSnapshot:
         """The site's view of an engine-wide snapshot (its rank's, on a data-parallel engine)."""

@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.admission.ledger import blocks_for
-from gateway.admission.prefix import BlockKey
+from gateway.admission.prefix import BlockKey, leading_run
 
 PROGRESS_SLACK = 16  # streamed events per sequence that may carry no token (role chunk, Responses' opening events)
 FOREVER = math.inf  # the end of a request whose progress is unknown
@@ -139,7 +139,7 @@ def timeline(in_flight: Iterable[Timed]) -> Timeline:
         # Latest end first: a key already seen is held until a later end. Keys chain (``prefix.block_keys``), so
         # the keys seen are a prefix of ``r``'s keys.
         keys = r.keys
-        first_new = _held_prefix(key_end, keys)
+        first_new = leading_run(keys, key_end)
         for key in keys[first_new:]:
             key_end[key] = end
         freed[end] = freed.get(end, 0) + r.own_blocks + len(keys) - first_new
@@ -180,18 +180,7 @@ def peak(tl: Timeline, r: Timed, block_size: int) -> int:
 
 def _key_ends(key_end: dict[BlockKey, float], keys: Sequence[BlockKey]) -> list[float]:
     """The end steps of the held prefix of ``keys``."""
-    return [key_end[k] for k in keys[: _held_prefix(key_end, keys)]]
-
-
-def _held_prefix(key_end: dict[BlockKey, float], keys: Sequence[BlockKey]) -> int:
-    low, high = 0, len(keys)  # keys[:low] held; keys[high:] not
-    while low < high:
-        mid = (low + high) // 2
-        if keys[mid] in key_end:
-            low = mid + 1
-        else:
-            high = mid
-    return low
+    return [key_end[k] for k in keys[: leading_run(keys, key_end)]]
 
 
 def _count_at_least(lasts: Sequence[float], step: float) -> int:
