@@ -302,7 +302,7 @@ def test_no_form_of_a_path_reaches_the_engine_unguarded(gateway: GatewayServer, 
         assert seen.path in allowed and seen.raw_path == seen.path.encode(), seen
     generating = engine.recorder.generating()
     assert all(s.path in GUARDED_ROUTES and answers[str(s.request_id)][2].guarded for s in generating), generating
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
     # The run exercised both outcomes, not only refusals.
     outcomes = [a for _, _, a in answers.values()]

@@ -237,7 +237,7 @@ def test_every_input_is_counted_as_the_engine_counts_it(
     assert int(answer.headers["x-guard-prompt-tokens"]) == result["usage"]["prompt_tokens"], case
     assert answer.headers["x-guard-max-tokens"] == "0"
     assert len(result.get("data") or result.get("results")) == (1 if "top_n" in body else prompts)
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 @pytest.mark.parametrize(
@@ -261,7 +261,7 @@ def test_a_prompt_over_the_context_never_reaches_the_engine(
     assert error["code"] == "context_length_exceeded" and error["param"] == param
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
     assert not sim.sim.requests_seen
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 def test_the_truncate_policy_has_the_engine_cut_each_prompt_to_the_context(
@@ -286,7 +286,7 @@ def test_a_batch_larger_than_the_kv_budget_runs_alone_and_a_prompt_larger_than_i
         assert int(batch.headers["x-guard-prompt-tokens"]) == batch.json()["usage"]["prompt_tokens"]
         huge = httpx.post(gw.url + "/v1/embeddings", json={"input": [5] * 200}, timeout=10)
         assert huge.status_code == 400 and huge.json()["error"]["code"] == "kv_budget_exceeded"
-        assert gw.ledger_is_empty()
+        gw.wait_ledger_empty()
 
 
 def test_pooling_requests_never_teach_admission_how_long_outputs_are(gateway: GatewayServer) -> None:

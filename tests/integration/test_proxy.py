@@ -69,7 +69,7 @@ def test_a_chat_is_counted_exactly_and_answered(
     assert completion.usage is not None and completion.usage.prompt_tokens == expected
     assert raw.headers["x-guard-max-tokens"] == "5"
     assert raw.headers["x-request-id"]
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 @pytest.mark.parametrize(
@@ -104,7 +104,7 @@ def test_streaming_relays_chunks_and_keeps_include_usage(client: openai.OpenAI, 
     usage = [c.usage for c in chunks if c.usage is not None]
     assert text, chunks
     assert len(usage) == 1 and usage[0].completion_tokens == 8
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 def test_a_prompt_over_the_context_is_rejected_with_the_count(client: openai.OpenAI) -> None:
@@ -216,7 +216,7 @@ def test_bad_input_gets_a_clear_openai_error(
     error = r.json()["error"]
     assert error["type"] == etype and error["message"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 def test_an_oversized_body_gets_413(sim: SimServer, base_settings: Settings) -> None:
@@ -326,7 +326,7 @@ class TestUpstreamFaults:
             sim.sim.config.fault = None
             assert r.status_code == status, r.text
             assert r.json()["error"]["code"] == code
-            assert gw.ledger_is_empty()
+            gw.wait_ledger_empty()
 
 
 def test_metrics_health_and_status_are_served(client: openai.OpenAI, gateway: GatewayServer) -> None:
@@ -371,4 +371,4 @@ def test_a_bug_in_the_gateway_is_a_500_with_no_internals(
     assert r.status_code == 500
     assert r.json()["error"]["code"] == "internal_error"
     assert "secret" not in r.text
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()

@@ -382,7 +382,7 @@ def test_without_the_flag_a_request_template_gets_400_and_never_reaches_the_engi
     assert time.monotonic() - t0 < 1.0
     assert_refused(response, param, "--trust-request-chat-template")
     assert sim.sim.request_count == seen
-    assert untrusting.ledger_is_empty()
+    untrusting.wait_ledger_empty()
     assert chat(untrusting).status_code == 200
 
 
@@ -393,7 +393,7 @@ def test_with_the_flag_a_request_template_is_counted_exactly(
         response = chat(trusting, chat_template=template, messages=[U, A, U])
         assert response.status_code == 200, response.text
         assert int(response.headers["x-guard-prompt-tokens"]) == tokenizer_count(tokenizer, [U, A, U], template)
-    assert trusting.ledger_is_empty()
+    trusting.wait_ledger_empty()
 
 
 @pytest.mark.parametrize(("case", "template", "message"), HOSTILE[1:], ids=ids(HOSTILE[1:]))
@@ -403,7 +403,7 @@ def test_with_the_flag_a_hostile_template_gets_400_and_the_gateway_stays_healthy
     seen = sim.sim.request_count
     assert_refused(chat(trusting, chat_template=template), "chat_template", message)
     assert sim.sim.request_count == seen
-    assert trusting.ledger_is_empty()
+    trusting.wait_ledger_empty()
     healthy = chat(trusting, chat_template=SIMPLE)
     assert healthy.status_code == 200, healthy.text
     assert int(healthy.headers["x-guard-prompt-tokens"]) == tokenizer_count(tokenizer, [U], SIMPLE)
@@ -431,4 +431,4 @@ async def test_an_ordinary_chat_is_answered_while_a_costly_template_renders(
     assert_refused(refused, "chat_template", f"took longer than {timeout:g} s")
     # The ordinary chat did not wait for the render: it was answered well within the template's timeout.
     assert ordinary_s < timeout / 2 < costly_s
-    assert trusting.ledger_is_empty()
+    trusting.wait_ledger_empty()

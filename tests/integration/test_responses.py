@@ -196,7 +196,7 @@ def test_every_input_shape_is_counted_as_the_engine_counts_it(
     assert response.usage is not None
     assert int(raw.headers["x-guard-prompt-tokens"]) == response.usage.input_tokens, case
     assert raw.headers["x-guard-max-tokens"] == "4"
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 def test_the_sdk_gets_its_answer(client: openai.OpenAI) -> None:
@@ -232,7 +232,7 @@ def test_max_output_tokens_over_the_context_is_rejected_by_that_name_under_the_r
         assert error["param"] == "max_output_tokens" and error["code"] == "context_length_exceeded"
         assert "max_output_tokens can be at most" in error["message"]
         assert not sim.sim.requests_seen
-        assert gw.ledger_is_empty()
+        gw.wait_ledger_empty()
 
 
 @pytest.mark.parametrize("overflow", ["reject", "truncate"])
@@ -247,7 +247,7 @@ def test_input_over_the_context_is_rejected_even_when_truncation_is_asked_for(
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
     assert ("never truncated" in error["message"]) is (overflow == "truncate")
     assert not sim.sim.requests_seen
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 @pytest.mark.parametrize(
@@ -273,7 +273,7 @@ def test_a_stream_is_relayed_event_by_event_with_its_usage(client: openai.OpenAI
     assert kinds.count("response.output_text.delta") == 6
     final = events[-1].response  # type: ignore[union-attr]
     assert final.usage is not None and final.usage.input_tokens == int(raw.headers["x-guard-prompt-tokens"])
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 def test_a_client_leaving_mid_stream_frees_its_blocks(tokenizer: Any, tokenizer_dir: Any,

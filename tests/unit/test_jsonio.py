@@ -154,7 +154,7 @@ def test_big_integers_reach_the_engine_exactly(
     received = json.loads(recorded_sim[1].bodies[-1])
     assert received["x_vendor"] == sent["x_vendor"]
     assert all(type(v) is int for v in received["x_vendor"].values() if not isinstance(v, list | str))
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 def test_a_seed_beyond_64_bits_is_forwarded_not_rounded(
@@ -185,7 +185,7 @@ def test_deep_nesting_is_a_400_never_a_500(gateway: GatewayServer, depth: int, w
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and f"the limit is {jsonio.MAX_DEPTH}" in error["message"]
-    assert gateway.ledger_is_empty()
+    gateway.wait_ledger_empty()
 
 
 def test_nesting_within_the_limit_passes_untouched(gateway: GatewayServer, recorded_sim: tuple[str, Recorder]) -> None:
