@@ -50,6 +50,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
             is_optional = origin in (typing.Union, types.UnionType)
             base = next((a for a in args if a is not type(None)), ann) if is_optional else ann
             conv: Callable[[str], Any] = int if base is int else float if base is float else str
+            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("duration"):
+                conv = str  # "6h": the field parses it
             parser.add_argument(flag, dest=name, type=conv, default=None, help=help_text)
 
 

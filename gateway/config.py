@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from gateway.durations import parse_duration
 from gateway.redact import redact_url, url_has_credentials
 
 ENV_PREFIX = "VLLM_GUARD_"
@@ -259,6 +260,19 @@ class Settings(BaseSettings):
     vllm_args: list[str] = Field(
         default_factory=list, description="Extra arguments passed to vllm serve (after --)."
     )
+    managed_engines: int | None = Field(
+        None, ge=1, le=64, description="vLLM engines to run and supervise in managed mode, each on its own port "
+        "(default: one per --engine-devices group, else 1). Each is supervised on its own; restarts roll."
+    )
+    engine_devices: str | None = Field(
+        None, description="Each managed engine's CUDA_VISIBLE_DEVICES, engines separated by ';' "
+        "(\"0;1\": one engine per GPU; \"0,1;2,3\": two engines of two GPUs each)."
+    )
+    restart_every: float | None = Field(
+        None, gt=0, json_schema_extra={"duration": True},
+        description="Restart the managed engines this often, one at a time while the others serve (a duration: "
+        "3600, 90m, 6h, 1d; off by default). The usual cure for slow memory creep.",
+    )
     startup_timeout: float = Field(900.0, gt=0, description="Seconds the managed vLLM may take to be ready.")
     hang_timeout: float = Field(
         15.0, gt=0, description="Seconds without progress, while work runs, that count as a hang. Proxy mode: "
@@ -281,6 +295,11 @@ class Settings(BaseSettings):
     )
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    @field_validator("restart_every", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> Any:
+        return parse_duration(v) if isinstance(v, str) else v
 
     @field_validator("upstream", mode="before")
     @classmethod
@@ -330,7 +349,15 @@ class Settings(BaseSettings):
         for key in self.api_key:
             _split_key(key)
         if self.managed and len(self.upstream) > 1:
-            raise ValueError("--managed runs one engine: give no second --upstream")
+            raise ValueError("--managed runs its own engines (--managed-engines): give no second --upstream")
+        groups = self.device_groups()
+        if self.managed_engines is not None and len(groups) > 1 and len(groups) != self.managed_engines:
+            raise ValueError(
+                f"--managed-engines is {self.managed_engines} but --engine-devices names {len(groups)} engines "
+                f"({self.engine_devices!r})"
+            )
+        if not self.managed and (self.managed_engines or self.engine_devices or self.restart_every):
+            raise ValueError("--managed-engines, --engine-devices and --restart-every need --managed")
         if self.upstream_api_key and not self.managed and any(url_has_credentials(u) for u in self.upstream):
             # Both would be the one Authorization header (Basic from the URL, Bearer from the key).
             raise ValueError("--upstream carries credentials and --upstream-api-key is set: give only one")
@@ -349,6 +376,14 @@ class Settings(BaseSettings):
         return (init_settings,)
 
     # -- derived ----------------------------------------------------------------------------------
+    def device_groups(self) -> list[str]:
+        """Each managed engine's CUDA_VISIBLE_DEVICES, as ``--engine-devices`` names them (none: no list)."""
+        return [g.strip() for g in (self.engine_devices or "").split(";") if g.strip()]
+
+    def engine_count(self) -> int:
+        """How many engines managed mode runs."""
+        return self.managed_engines or max(1, len(self.device_groups()))
+
     def key_priorities(self) -> dict[str, int]:
         """Client API keys mapped to their default priority (0 when none is given)."""
         return dict(_split_key(k) for k in self.api_key)

@@ -23,6 +23,7 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 3
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 UPSTREAM_STATES = ("starting", "ready", "draining", "restarting", "down")
+ENGINE_STATES = (*UPSTREAM_STATES, "hung", "mismatched")
 # Raw values kept for the live page's percentiles between two of its samples (history.py empties them each
 # second); bounded, so a gateway nobody samples holds no more than this.
 RECENT_VALUES = 4096
@@ -118,6 +119,11 @@ class Metrics:
         self.engine_admitted = Gauge(
             "vllm_guard_engine_admitted_requests", "Requests admitted to each engine since start.", ["engine"],
             registry=r,
+        )
+        self.engine_state = Gauge(
+            "vllm_guard_engine_state",
+            "Each engine's state (1 for the current one): ready, starting, draining, restarting, down, hung or "
+            "mismatched.", ["engine", "state"], registry=r,
         )
         self.failovers = Counter(
             "vllm_guard_failovers", "Requests sent to another engine after theirs failed before answering.",
@@ -286,6 +292,13 @@ class Metrics:
             for gauge, value in zip(gauges, values, strict=True):
                 if value is not None:
                     gauge.labels(name).set(value)
+
+    def record_engine_states(self, states: dict[str, str]) -> None:
+        """Each engine's state, by engine name (only when there are several); engines gone are forgotten."""
+        self.engine_state.clear()
+        for name, state in states.items():
+            for each in ENGINE_STATES:
+                self.engine_state.labels(name, each).set(1 if each == state else 0)
 
     def record_failover(self) -> None:
         self.failovers.inc()

@@ -78,7 +78,7 @@ class Admission:
         for i, view in enumerate(views):
             if view is not None:
                 view.on_snapshot(partial(self._on_snapshot, i))
-        self._publish_kv()
+        self._gauges.publish_kv(self._sites)
 
     # -- public surface ---------------------------------------------------------------------------
     @property
@@ -146,6 +146,14 @@ class Admission:
         self._paused = False
         self._pump()
 
+    def hold(self, engine: int, held: bool = True) -> None:
+        """Place nothing more on ``engine`` (drained for its restart) while the others serve; False: release it."""
+        (self._sites.held.add if held else self._sites.held.discard)(engine)
+        self._pump()
+
+    def in_flight_on(self, engine: int) -> int:
+        return sum(len(site.in_flight) for site in self._sites.of_engine(engine))
+
     def tick(self) -> None:  # expire queued requests whose deadline passed, and re-examine the queue
         self._pump()
 
@@ -166,7 +174,7 @@ class Admission:
         """Stop the deadline timer and turn the waiting requests away (shutdown)."""
         for r in self._queue:
             self._fail(r, errors.UpstreamUnavailable("The gateway is shutting down.", retry_after=1.0))
-        self._publish_load()
+        self._gauges.publish_load(self._sites, self._queue.depth)
         await self._timer.stop()
 
     def status(self) -> dict[str, Any]:
@@ -182,6 +190,7 @@ class Admission:
         return {
             "policy": self._settings.admission_policy,
             "paused": self._paused,
+            "held_engines": sorted(str(e) for e in self._sites.held),
             "block_size": self._block_size,
             "capacity_blocks": sum(c.blocks for _, c in known) if known else None,
             "capacity_source": cap.source if cap else None,
@@ -210,14 +219,12 @@ class Admission:
         }
 
     def publish(self) -> None:
-        """Set every KV and queue gauge, and the engine's freshness, as of now.
-
-        Runs on each engine snapshot, on pause and when ``/metrics`` is read: capacity, live usage and the
-        adaptive limit move with the snapshots, and the freshness with the clock. The committed blocks and the
-        queue depth change with every request, so those two are set as they change (``_publish_load``),
-        without the projection, whose cost grows with the requests in flight."""
-        self._publish_kv()
-        self._publish_load()
+        """Set every KV and queue gauge, and the engine's freshness, as of now: on each engine snapshot, on pause
+        and when ``/metrics`` is read (capacity, live usage and the adaptive limit move with the snapshots, the
+        freshness with the clock). The committed blocks and the queue depth are also set as they change
+        (``publish_load``), without the projection, whose cost grows with the requests in flight."""
+        self._gauges.publish_kv(self._sites)
+        self._gauges.publish_load(self._sites, self._queue.depth)
         self._sites.engine_kv.publish_freshness()
         self._headroom.publish(self.budget_blocks())
 
@@ -304,7 +311,7 @@ class Admission:
                 for late in self._forecast.late(self._queue.backlog(), free, len(self._in_flight)):
                     self._fail(late.item, refusals.queue_timeout_expected(late, self._settings.queue_timeout))
         self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)
-        self._publish_load()
+        self._gauges.publish_load(self._sites, self._queue.depth)
 
     def _place(self, r: Reservation, placed: dict[Reservation, Site]) -> bool:
         """Whether ``r`` fits on an engine now; the engine it fits on first is noted in ``placed``."""
@@ -347,7 +354,7 @@ class Admission:
         position = self._queue.position(r)
         self._dequeue(r)
         r.reject()
-        self._publish_load()
+        self._gauges.publish_load(self._sites, self._queue.depth)
         retry_after = self._drain.retry_after(position, self._clock())
         return refusals.queue_full(self._settings.max_queue, len(self._in_flight), retry_after)
 
@@ -391,9 +398,3 @@ class Admission:
         return too_large_message(
             r.prompt_tokens, r.max_tokens, r.n, r.alone_blocks, cap, self._settings.kv_target
         )
-
-    def _publish_kv(self) -> None:
-        self._gauges.publish_kv(self._sites)
-
-    def _publish_load(self) -> None:
-        self._gauges.publish_load(self._sites, self._queue.depth)

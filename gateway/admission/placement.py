@@ -5,7 +5,8 @@ the ranks (the ``engine`` label), as soon as nothing is in flight on it. A reque
 now (the site's own policy and books), trying first the site that holds or lately held the longest prefix of its
 prompt (vLLM would skip that prefill there), then the one with the most room left. With several sites, one that
 is down, hung or stale, or that publishes another block size or prefix-caching mode than the first, takes
-nothing while another can; with one site nothing is filtered (the request path reports its state).
+nothing while another can; with one site nothing is filtered (the request path reports its state). An engine
+held for its restart takes nothing at all: its requests wait for another engine, or for it to come back.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Sites:
         self._usable = usable if usable is not None else (lambda engine: True)
         self._headroom = SiteHeadroom(headroom, self.budget_total)
         self._sites = [self._site(i, None) for i in range(len(self._views))]
+        self.held: set[int] = set()  # engines that take nothing new (draining for a restart), even alone
         # The whole first engine, for what status and the gauges say of the engine itself.
         self.engine_kv = KvView(self._views[0], settings)
 
@@ -91,8 +93,9 @@ class Sites:
     # -- placement ------------------------------------------------------------------------------------
     def candidates(self, r: Reservation, block_size: int, sharing: bool) -> list[Site]:
         """The sites ``r`` may go to, in the order to try them."""
-        sites = [s for s in self._sites if s.name not in r.avoid] or self._sites
-        if len(sites) == 1:
+        open_sites = [s for s in self._sites if s.target.engine not in self.held]
+        sites = [s for s in open_sites if s.name not in r.avoid] or open_sites
+        if len(sites) <= 1:
             return sites
         usable = [s for s in sites if self._takes(s, block_size, sharing)] or sites
         return sorted(usable, key=lambda s: (-s.affinity(r), -s.free_blocks()))

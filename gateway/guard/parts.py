@@ -14,6 +14,7 @@ from gateway.observe.history import Sampler
 from gateway.tenants import Tenants
 
 if TYPE_CHECKING:  # imported only in managed mode: it loads the GPU and process tooling
+    from gateway.managed.rolling import RollingRestarts
     from gateway.managed.supervisor import Supervisor
 
 
@@ -30,6 +31,9 @@ class Parts:
     sampler: Sampler | None = None  # the live page's history (/guard/ui)
     tenants: Tenants | None = None  # keys -> tenants, their limits and usage
     engines: list[Engine[Models]] = field(default_factory=list)  # every engine guarded; the first is ``engine``
+    # Managed mode with several engines: one supervisor per engine (the first is ``supervisor``), restarts rolling.
+    supervisors: list[Supervisor] = field(default_factory=list)
+    rolling: RollingRestarts | None = None
 
     def engine_at(self, index: int) -> Engine[Models]:
         """The engine a reservation was placed on (``Target.engine``)."""
@@ -37,6 +41,14 @@ class Parts:
 
     def every_engine(self) -> list[Engine[Models]]:
         return self.engines or [self.engine]
+
+    def every_supervisor(self) -> list[Supervisor]:
+        """Managed mode: each engine's supervisor, in the engines' order; none in proxy mode."""
+        return self.supervisors or ([self.supervisor] if self.supervisor is not None else [])
+
+    def supervisor_at(self, index: int) -> Supervisor | None:
+        sups = self.every_supervisor()
+        return sups[index] if index < len(sups) else None
 
     def serving_engine(self) -> Engine[Models]:
         """The engine for what is not booked (the model listing, pass-through routes): the first usable one."""

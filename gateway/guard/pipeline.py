@@ -184,12 +184,15 @@ def record_refusal(parts: Parts, route: str, exc: GatewayError) -> None:
 
 
 def refuse_while_starting(parts: Parts) -> None:
-    """While a managed engine starts or is down, answer 503 at once; during a restart requests queue."""
-    sup = parts.supervisor
-    if sup is not None and sup.state in (EngineLifecycle.STARTING, EngineLifecycle.DOWN):
+    """While the managed engines (every one of them) start or are down, answer 503 at once; during a restart
+    requests queue."""
+    sups = parts.every_supervisor()
+    if sups and all(s.state in (EngineLifecycle.STARTING, EngineLifecycle.DOWN) for s in sups):
+        sup = sups[0]
         raise UpstreamUnavailable(
-            f"The engine is {sup.state}; retry shortly.", code=f"upstream_{sup.state}",
-            retry_after=sup.retry_after(),
+            f"The engine is {sup.state}; retry shortly." if len(sups) == 1 else
+            f"Every engine is starting or down ({', '.join(str(s.state) for s in sups)}); retry shortly.",
+            code=f"upstream_{sup.state}", retry_after=min(s.retry_after() for s in sups),
         )
 
 

@@ -38,15 +38,21 @@ def engine_state(engine: Engine[Models]) -> str:
     return HUNG if engine.progress.hung else str(EngineLifecycle.READY)
 
 
+def engine_state_of(parts: Parts, index: int) -> str:
+    """Engine ``index``'s state: its supervisor's in managed mode, else as proxied; mismatched before either."""
+    engine = parts.engine_at(index)
+    if not engine.serves_like(parts.engine):
+        return MISMATCHED
+    sup = parts.supervisor_at(index)
+    return str(sup.state) if sup is not None else engine_state(engine)
+
+
 def engines_status(parts: Parts, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Admission's rows for each engine (``/guard/status.engines``), with where each is and its state."""
-    sup = parts.supervisor
     out = []
     for row in rows:
         engine = parts.engine_at(row["engine"])
-        state = str(sup.state) if sup is not None else engine_state(engine)
-        if not engine.serves_like(parts.engine):
-            state = MISMATCHED
+        state = engine_state_of(parts, row["engine"])
         out.append({**row, "url": redact_url(engine.url), "state": state, "hung": engine.progress.hung})
     return out
 
@@ -57,6 +63,10 @@ def upstream_status(parts: Parts) -> UpstreamStatus:
     state: str
     if sup is not None:
         state, restarts, reason, url = sup.state, sup.restarts, sup.last_restart_reason, sup.url
+        if len(sups := parts.every_supervisor()) > 1:
+            # Several managed engines: the gateway serves while any one does; their restarts together.
+            state = next((s.state for s in sups if s.state is EngineLifecycle.READY), state)
+            restarts = sum(s.restarts for s in sups)
     else:
         state = engine_state(parts.engine)
         if len(parts.every_engine()) > 1 and state != EngineLifecycle.READY:
@@ -96,6 +106,8 @@ def publish_pool_metrics(parts: Parts) -> None:
         queued=waiting + admission.queued, running=running, kv_usage=min(1.0, max(live, booked)),
         block_size=admission.block_size, num_gpu_blocks=capacity,
     )
+    if len(engines) > 1:
+        parts.metrics.record_engine_states({str(i): engine_state_of(parts, i) for i in range(len(engines))})
 
 
 def engine_blocks(snap: EngineSnapshot) -> tuple[int | None, float]:

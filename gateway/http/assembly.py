@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from gateway.admission import Admission
+from gateway.admission.engine_control import EngineControl
 from gateway.config import Settings
 from gateway.engine.client import Upstream
 from gateway.engine.engine import Engine
@@ -36,13 +37,20 @@ log = logging.getLogger(__name__)
 
 async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> Parts:
     metrics = Metrics()
-    supervisor = _supervisor(settings, metrics)
+    supervisors = _supervisors(settings, metrics)
     # Tokenization threads: the work holds the GIL only partly (the Rust tokenizer releases it).
     executor = stack.enter_context(ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
-    engines = [await build_engine(settings, metrics, stack, supervisor, executor)]
-    for url in settings.upstream[1:]:
-        # Each engine's own gauges (freshness, hung) would overwrite the first's: /guard/status shows them.
-        engines.append(await build_engine(settings, Metrics(), stack, None, executor, url=url))
+    # Each engine but the first keeps its own gauges (freshness, hung), which would overwrite the first's:
+    # /guard/status shows them.
+    if supervisors:
+        engines = [
+            await build_engine(settings, metrics if i == 0 else Metrics(), stack, sup, executor)
+            for i, sup in enumerate(supervisors)
+        ]
+    else:
+        engines = [await build_engine(settings, metrics, stack, None, executor)]
+        for url in settings.upstream[1:]:
+            engines.append(await build_engine(settings, Metrics(), stack, None, executor, url=url))
     engine = engines[0]
     admission = Admission(
         settings, engine.view, metrics, engines=[e.view for e in engines],
@@ -50,15 +58,12 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
     )
     stack.push_async_callback(admission.close)
     tenants = await build_tenants(settings, metrics, stack)
-    parts = Parts(settings, metrics, engine, admission, supervisor, tenants=tenants, engines=engines)
-    if supervisor is not None:
-        supervisor.admission = admission
-        supervisor.engine = engine.view
-        stack.push_async_callback(supervisor.stop)
-        # Cancelled and awaited on shutdown, before the supervisor stops the engine.
-        managing = OwnedTasks()
-        managing.spawn(_run_managed(supervisor, engine.models))
-        stack.push_async_callback(managing.close)
+    parts = Parts(
+        settings, metrics, engine, admission, supervisors[0] if supervisors else None, tenants=tenants,
+        engines=engines, supervisors=supervisors,
+    )
+    if supervisors:
+        manage(parts, stack)
     else:
         for each in engines:
             await _read_models_once(each)
@@ -125,12 +130,36 @@ async def build_tenants(settings: Settings, metrics: Metrics, stack: contextlib.
     return tenants
 
 
-def _supervisor(settings: Settings, metrics: Metrics) -> Supervisor | None:
+def _supervisors(settings: Settings, metrics: Metrics) -> list[Supervisor]:
+    """Managed mode: one supervisor per engine, each with its GPUs when ``--engine-devices`` splits them."""
     if not settings.managed:
-        return None
+        return []
     from gateway.managed.supervisor import Supervisor
 
-    return Supervisor(settings, metrics)
+    count, groups = settings.engine_count(), settings.device_groups()
+    devices = groups if len(groups) == count else [groups[0] if groups else None] * count
+    return [Supervisor(settings, metrics, index=i, devices=devices[i]) for i in range(count)]
+
+
+def manage(parts: Parts, stack: contextlib.AsyncExitStack) -> None:
+    """Start and watch each managed engine, each on its own: one engine's restart holds only that engine's
+    requests (``EngineControl``) while the others serve; restarts asked for or scheduled roll one at a time."""
+    from gateway.managed.rolling import RollingRestarts
+
+    sups, settings = parts.supervisors, parts.settings
+    for i, (sup, engine) in enumerate(zip(sups, parts.engines, strict=True)):
+        sup.admission = parts.admission if len(sups) == 1 else EngineControl(parts.admission, i)
+        sup.engine = engine.view
+        stack.push_async_callback(sup.stop)
+    if len(sups) > 1 or settings.restart_every is not None:
+        parts.rolling = RollingRestarts(sups, every=settings.restart_every, ready_timeout=settings.startup_timeout)
+        parts.rolling.start()
+        stack.push_async_callback(parts.rolling.close)
+    # Cancelled and awaited on shutdown, before the supervisors stop their engines.
+    managing = OwnedTasks()
+    for i, (sup, engine) in enumerate(zip(sups, parts.engines, strict=True)):
+        managing.spawn(_run_managed(sup, engine.models, counts=i == 0))
+    stack.push_async_callback(managing.close)
 
 
 async def _read_models_once(engine: Engine[Models]) -> None:
@@ -168,12 +197,14 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-async def _run_managed(supervisor: Supervisor, models: Models) -> None:
+async def _run_managed(supervisor: Supervisor, models: Models, *, counts: bool = True) -> None:
+    """``counts``: the first engine, whose tokenizer counts every request (loaded once it serves)."""
     try:
         await supervisor.start()
         await models.refresh()
-        await models.counter()
-        freeze_heap()
+        if counts:
+            await models.counter()
+            freeze_heap()
     except asyncio.CancelledError:
         raise
     except Exception:

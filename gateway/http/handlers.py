@@ -58,16 +58,31 @@ async def status(request: Request) -> Response:
     body: dict[str, object] = {**admission, "upstream": up, "restarts": up["restarts"]}
     if parts.supervisor is not None:
         body["engine"] = parts.supervisor.status()
+    if len(sups := parts.every_supervisor()) > 1:
+        body["managed_engines"] = [s.status() for s in sups]
+    if parts.rolling is not None:
+        body["rolling_restart"] = parts.rolling.status()
     return json(body)
 
 
 async def restart(request: Request) -> Response:
+    """Restart the managed engine; with several, one at a time while the others serve (``?engine=N``: that one)."""
     parts = parts_of(request)
     authenticate(parts.settings, request, admin=True)
     if parts.supervisor is None:
         raise InvalidRequest("Restart needs managed mode (--managed); this gateway guards an external engine.")
-    parts.supervisor.request_restart("manual")
-    return json({"restarting": True}, 202)
+    named = request.query_params.get("engine")
+    if parts.rolling is None:
+        if named not in (None, parts.supervisor.name):
+            raise InvalidRequest(f"No engine {named!r}: this gateway runs one engine, '0'.", param="engine")
+        parts.supervisor.request_restart("manual")
+        return json({"restarting": True, "engines": [parts.supervisor.name], "rolling": False}, 202)
+    names = parts.rolling.names()
+    if named is not None and named not in names:
+        raise InvalidRequest(f"No engine {named!r}: the engines are {', '.join(names)}.", param="engine")
+    engines, started = parts.rolling.request(None if named is None else [named])
+    body = {"restarting": True, "engines": engines, "rolling": len(names) > 1, "already_under_way": not started}
+    return json(body, 202)
 
 
 async def usage(request: Request) -> Response:

@@ -60,7 +60,7 @@ GATEWAY_ROUTES: tuple[Route, ...] = (
     Route("/health", "GET", "gateway", "health"),
     Route("/metrics", "GET", "gateway", "metrics"),
     Route("/guard/status", "GET", "gateway", "status"),
-    Route("/guard/restart", "POST", "gateway", "restart"),
+    Route("/guard/restart", "POST", "gateway", "restart", query=True),
     Route("/guard/usage", "GET", "gateway", "usage"),
     Route("/guard/ui", "GET", "gateway", "ui"),
     Route("/guard/ui/data", "GET", "gateway", "ui_data", query=True),

@@ -59,8 +59,9 @@ class EngineChild:
                 await asyncio.wait_for(asyncio.shield(self.reader), timeout)
 
 
-def child_env() -> dict[str, str]:
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)  # the engine inherits the gateway's environment
+    env.update(extra or {})
     env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -68,13 +69,13 @@ def child_env() -> dict[str, str]:
 
 async def launch_child(
     command: Sequence[str], gen: int, *, grace: float, started_at: float, redactor: SecretRedactor,
-    on_line: LineHandler,
+    on_line: LineHandler, env: dict[str, str] | None = None, label: str = "vllm",
 ) -> EngineChild:
     """Start the engine under the guardian and begin reading its log, each line handed to ``on_line``."""
     log.info("starting vLLM: %s", shlex.join(redact(command)))
-    proc = await guardian.launch(command, grace=grace, env=child_env(), line_limit=_LOG_LINE_LIMIT)
+    proc = await guardian.launch(command, grace=grace, env=child_env(env), line_limit=_LOG_LINE_LIMIT)
     child = EngineChild(proc=proc, gen=gen, command=list(command), started_at=started_at)
-    child.reader = asyncio.create_task(_read_log(child, redactor, on_line))
+    child.reader = asyncio.create_task(_read_log(child, redactor, on_line, label))
     return child
 
 
@@ -92,7 +93,7 @@ async def stop_child(child: EngineChild, grace: float) -> None:
             await reader
 
 
-async def _read_log(child: EngineChild, redactor: SecretRedactor, on_line: LineHandler) -> None:
+async def _read_log(child: EngineChild, redactor: SecretRedactor, on_line: LineHandler, label: str) -> None:
     stream = child.proc.stdout
     assert stream is not None
     while True:
@@ -107,5 +108,5 @@ async def _read_log(child: EngineChild, redactor: SecretRedactor, on_line: LineH
         if not line:
             continue
         child.tail.append(line)
-        relay_log.log(log_level(line), "[vllm] %s", line)
+        relay_log.log(log_level(line), "[%s] %s", label, line)
         on_line(child, line, child.facts.feed(line))

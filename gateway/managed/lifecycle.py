@@ -26,7 +26,8 @@ class EngineLifecycle(StrEnum):
 class Phase:
     """The current lifecycle state, when it began, and an event that is set whenever the engine is not ready."""
 
-    def __init__(self, metrics: Metrics, clock: Callable[[], float]) -> None:
+    def __init__(self, metrics: Metrics | None, clock: Callable[[], float]) -> None:
+        """``metrics``: None for every managed engine but the first (the state gauge is one engine's)."""
         self.metrics = metrics
         self.clock = clock
         self.state = EngineLifecycle.STARTING
@@ -43,7 +44,8 @@ class Phase:
             self.unready.clear()
         else:
             self.unready.set()
-        self.metrics.set_upstream_state(state)
+        if self.metrics is not None:
+            self.metrics.set_upstream_state(state)
 
     def retry_after(self, expected_startup: float, drain_timeout: float) -> float:
         """Seconds a client should wait before retrying, given how long a start-up is expected to take."""

@@ -64,6 +64,8 @@ class Supervisor:
         *,
         admission: AdmissionControl | None = None,
         engine: EngineWatch | None = None,
+        index: int = 0,
+        devices: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         gpu: GpuProbe | None = None,
         stop_grace: float = 15.0,
@@ -78,7 +80,12 @@ class Supervisor:
         self.clock = clock
         self.gpu = gpu
         self.stop_grace = stop_grace
-        self.port = settings.vllm_port or free_port()
+        # One of several engines: the first publishes the engine-state gauge, each logs under its own name.
+        self.index = index
+        self.name = str(index)
+        self._who = "vLLM" if settings.engine_count() == 1 else f"vLLM engine {index}"
+        self.devices = devices  # its CUDA_VISIBLE_DEVICES, when the engines split the GPUs
+        self.port = settings.vllm_port + index if settings.vllm_port else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.restarts = 0
         self.restarts_by_reason: Counter[str] = Counter()
@@ -92,7 +99,7 @@ class Supervisor:
         self._budget = RestartBudget(
             max_restarts=settings.max_restarts, window=settings.restart_window, backoff_base=backoff_base, clock=clock
         )
-        self._phase = Phase(metrics, clock)
+        self._phase = Phase(metrics if index == 0 else None, clock)
         self._overrides: dict[str, str] = {}
         self._base: list[str] | None = None
         self._child: EngineChild | None = None
@@ -148,7 +155,7 @@ class Supervisor:
             gen, trouble = await self._troubles.get()
             if self._stopping or gen != self._gen or self.state != EngineLifecycle.READY:
                 continue  # about an engine already replaced
-            log.warning("vLLM needs a restart (%s): %s", trouble.reason, trouble.detail)
+            log.warning("%s needs a restart (%s): %s", self._who, trouble.reason, trouble.detail)
             try:
                 await self.restart(trouble.reason, detail=trouble.detail)
             except asyncio.CancelledError:
@@ -272,16 +279,16 @@ class Supervisor:
             except SupervisorError as e:
                 self.last_error = e.message
                 self.metrics.record_restart(reason)
-                log.error("restart failed: %s", e.message)
+                log.error("%s: restart failed: %s", self._who, e.message)
                 continue
             self._startup_seconds = self.clock() - t0
             self.metrics.record_restart(reason, self._startup_seconds)
-            log.info("vLLM restarted (%s) in %.1f s", reason, self._startup_seconds)
+            log.info("%s restarted (%s) in %.1f s", self._who, reason, self._startup_seconds)
             return
 
     async def _give_up(self, error: str) -> None:
         self.last_error = error
-        log.error("vLLM is down: %s", error)
+        log.error("%s is down: %s", self._who, error)
         if self._child is not None:
             await stop_child(self._child, self.stop_grace)
         self._phase.set(EngineLifecycle.DOWN)
@@ -337,6 +344,8 @@ class Supervisor:
         child = await launch_child(
             [*self._base, *self._args()], self._gen, grace=self.stop_grace, started_at=self.clock(),
             redactor=self._redactor, on_line=self._on_line,
+            env={"CUDA_VISIBLE_DEVICES": self.devices} if self.devices is not None else None,
+            label="vllm" if self.settings.engine_count() == 1 else f"vllm {self.index}",
         )
         self._child = child  # stop() must find it even while it is still starting
         return child
@@ -344,7 +353,7 @@ class Supervisor:
     def _on_ready(self, child: EngineChild) -> None:
         self._ready_since = self.clock()
         cap = child.facts.capacity(None)
-        log.info("vLLM ready at %s (pid %s, KV capacity from log: %s)", self.url, child.engine_pid(), cap)
+        log.info("%s ready at %s (pid %s, KV capacity from log: %s)", self._who, self.url, child.engine_pid(), cap)
         self._phase.set(EngineLifecycle.READY)
         self._tasks.spawn(self._watch(child))
 

@@ -200,6 +200,10 @@ async def test_with_one_engine_stopped_the_gateway_serves_on_the_other_and_stays
             return [r["state"] for r in rows] == ["down" if r["engine"] == stopped else "ready" for r in rows]
 
         await wait_until(row_down)
+        metrics = text_string_to_metric_families((await get(p.gw, "/metrics")).text)
+        states = {s.labels["engine"]: s.labels["state"] for f in metrics for s in f.samples
+                  if s.name == "vllm_guard_engine_state" and s.value == 1}
+        assert states == {str(stopped): "down", alive: "ready"}
         health = await get(p.gw, "/health")
         assert health.status_code == 200, health.text
         assert health.json()["upstream"]["state"] == "ready"

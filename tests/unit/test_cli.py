@@ -54,6 +54,32 @@ def test_serve_flags_build_the_settings(argv: list[str], env: dict[str, str], ex
         assert getattr(settings, key) == value
 
 
+@pytest.mark.parametrize(
+    ("argv", "engines", "devices", "every"),
+    [
+        (["--managed-engines", "2"], 2, [], None),
+        (["--engine-devices", "0;1"], 2, ["0", "1"], None),
+        (["--engine-devices", "0,1; 2,3", "--managed-engines", "2"], 2, ["0,1", "2,3"], None),
+        (["--engine-devices", "3"], 1, ["3"], None),
+        (["--restart-every", "6h"], 1, [], 21600.0),
+        (["--restart-every", "1h30m"], 1, [], 5400.0),
+        (["--restart-every", "90"], 1, [], 90.0),
+        (["--restart-every", "1d"], 1, [], 86400.0),
+    ],
+)
+def test_managed_engines_their_devices_and_the_restart_period_come_from_flags(
+    argv: list[str], engines: int, devices: list[str], every: float | None
+) -> None:
+    settings = parse_serve(["serve", "--managed", "--model", "m", *argv], {})
+    assert (settings.engine_count(), settings.device_groups(), settings.restart_every) == (engines, devices, every)
+
+
+def test_the_restart_period_and_devices_come_from_the_environment_too() -> None:
+    env = {"VLLM_GUARD_RESTART_EVERY": "30m", "VLLM_GUARD_ENGINE_DEVICES": "0;1"}
+    settings = parse_serve(["serve", "--managed", "--model", "m"], env)
+    assert (settings.restart_every, settings.engine_count()) == (1800.0, 2)
+
+
 def test_a_config_file_is_read_and_flags_win(tmp_path: Path) -> None:
     cfg = tmp_path / "guard.yaml"
     cfg.write_text("max-queue: 3\nport: 9000\n")
@@ -68,7 +94,13 @@ def test_a_config_file_is_read_and_flags_win(tmp_path: Path) -> None:
         (["serve", "--managed"], "--managed needs --model"),
         (["serve", "--upstream", "localhost:8000"], "http(s) URL"),
         (["serve", "--upstream", "http://h:1", "--upstream", "http://h:1"], "the same server twice"),
-        (["serve", "--managed", "--model", "m", "--upstream", "http://h:1", "--upstream", "http://h:2"], "one engine"),
+        (["serve", "--managed", "--model", "m", "--upstream", "http://h:1", "--upstream", "http://h:2"],
+         "runs its own engines (--managed-engines)"),
+        (["serve", "--managed", "--model", "m", "--managed-engines", "3", "--engine-devices", "0;1"],
+         "--managed-engines is 3 but --engine-devices names 2 engines"),
+        (["serve", "--restart-every", "6h"], "need --managed"),
+        (["serve", "--managed", "--model", "m", "--restart-every", "6 hours"], "not a duration: '6 hours'"),
+        (["serve", "--managed", "--model", "m", "--restart-every", "0"], "--restart-every"),
     ],
 )
 def test_invalid_settings_exit_2_with_a_clear_message(

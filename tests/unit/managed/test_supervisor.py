@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from gateway.managed.command import free_port
 from gateway.managed.guardian import group_pids
 from gateway.managed.supervisor import Supervisor
-from tests.support.procs import alive
+from tests.support.procs import alive, environ
 from tests.unit.managed.supervising import (
     FakeAdmission,
     FakeEngine,
@@ -202,3 +203,18 @@ async def test_too_many_restarts_within_the_window_leave_it_down(
     # Queued requests are let go (to fail fast) once the gateway gives up.
     assert admission.calls[-1] == "resume"
     await finish()
+
+
+async def test_a_second_engine_runs_on_the_next_port_with_its_devices_and_leaves_the_state_gauge_alone(
+    state: Path, supervisors: list[Supervisor]
+) -> None:
+    s = settings(state, vllm_port=free_port(), engine_devices="0;1")
+    sup, metrics = make(supervisors, s, index=1, devices="1")
+    assert (sup.name, sup.port) == ("1", s.vllm_port + 1)
+    await sup.start()
+    pid = sup.status()["pid"]
+    assert pid is not None
+    assert (await asyncio.to_thread(environ, pid))["CUDA_VISIBLE_DEVICES"] == "1"
+    # The engine-state gauge is the first engine's: the second one's phases do not move it.
+    assert metrics.registry.get_sample_value("vllm_guard_upstream_up") == 0.0
+    await sup.stop()
