@@ -108,6 +108,8 @@ def publish_pool_metrics(parts: Parts) -> None:
     )
     if len(engines) > 1:
         parts.metrics.record_engine_states({str(i): engine_state_of(parts, i) for i in range(len(engines))})
+        # As /health says: ready while any engine is (each engine's own state is the gauge above).
+        parts.metrics.set_upstream_state(upstream_status(parts)["state"])
 
 
 def engine_blocks(snap: EngineSnapshot) -> tuple[int | None, float]:

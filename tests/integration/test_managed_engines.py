@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Settings
 from tests.integration.test_managed import AS_ADMIN, AS_CLIENT, COMPLETION, eventually, managed, status
@@ -53,7 +54,7 @@ class Load:
         self._tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> Load:
-        self._http = httpx.AsyncClient(base_url=self.gw.url, timeout=30)
+        self.http = self._http = httpx.AsyncClient(base_url=self.gw.url, timeout=30)
         self._tasks = [asyncio.create_task(self._client()) for _ in range(4)]
         self._tasks.append(asyncio.create_task(self._watch()))
         await asyncio.to_thread(eventually, lambda: len(self.answers) >= 4)
@@ -86,6 +87,16 @@ class Load:
             await asyncio.sleep(0.05)
 
 
+async def gauges_of(load: Load) -> dict[str, dict[tuple[str, ...], float]]:
+    """``/metrics`` as {sample name: {label values: value}}."""
+    text = (await load.http.get("/metrics")).text
+    out: dict[str, dict[tuple[str, ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sample.labels.values())] = sample.value
+    return out
+
+
 def test_each_engine_runs_on_its_own_port_with_its_devices_and_takes_requests(
     base_settings: Settings, state: Path
 ) -> None:
@@ -96,7 +107,7 @@ def test_each_engine_runs_on_its_own_port_with_its_devices_and_takes_requests(
         assert [environ(row["pid"])["CUDA_VISIBLE_DEVICES"] for row in rows] == ["0", "1"]
         assert [row["state"] for row in status(gw)["engines"]] == ["ready", "ready"]
         seen = {
-            httpx.post(gw.url + "/v1/completions", json=COMPLETION, headers=AS_CLIENT, timeout=10)
+            httpx.post(gw.url + "/v1/completions", json=COMPLETION, headers=AS_CLIENT, timeout=60)
             .headers["x-guard-engine"] for _ in range(6)
         }
         assert seen <= {"0", "1"} and seen
@@ -138,6 +149,11 @@ async def test_restarting_one_named_engine_leaves_the_other_serving(base_setting
             assert r.json()["engines"] == ["1"]
             await load.until(lambda: engines(gw)[1]["state"] != "ready")
             during = len(load.answers)
+            gauges = await gauges_of(load)
+            assert gauges["vllm_guard_upstream_up"] == {(): 1.0}, "ready while engine 0 serves"
+            assert {k for k, v in gauges["vllm_guard_engine_state"].items() if v == 1} <= {
+                ("0", "ready"), ("1", "draining"), ("1", "restarting"), ("1", "ready"),
+            }
             await load.until(lambda: status(gw)["rolling_restart"]["rounds"] == 1)
             restarted_at = len(load.answers)
             await load.more(8)
