@@ -158,7 +158,7 @@ def manage(parts: Parts, stack: contextlib.AsyncExitStack) -> None:
     # Cancelled and awaited on shutdown, before the supervisors stop their engines.
     managing = OwnedTasks()
     for i, (sup, engine) in enumerate(zip(sups, parts.engines, strict=True)):
-        managing.spawn(_run_managed(sup, engine.models, counts=i == 0))
+        managing.spawn(_run_managed(sup, engine.models, first=None if i == 0 else parts.models))
     stack.push_async_callback(managing.close)
 
 
@@ -197,14 +197,18 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
-async def _run_managed(supervisor: Supervisor, models: Models, *, counts: bool = True) -> None:
-    """``counts``: the first engine, whose tokenizer counts every request (loaded once it serves)."""
+async def _run_managed(supervisor: Supervisor, models: Models, *, first: Models | None = None) -> None:
+    """Start and watch one managed engine. The first engine's tokenizer counts every request (loaded once it
+    serves); ``first``: that engine's models, for another engine, whose listing stands in while the first has none
+    (it has not come up yet)."""
     try:
         await supervisor.start()
-        await models.refresh()
-        if counts:
+        listing = await models.refresh()
+        if first is None:
             await models.counter()
             freeze_heap()
+        elif first.cached is None:
+            first.update(listing)
     except asyncio.CancelledError:
         raise
     except Exception:

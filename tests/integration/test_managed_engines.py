@@ -194,3 +194,19 @@ async def test_restart_every_rolls_the_engines_on_its_schedule(base_settings: Se
         assert last["reason"] == "scheduled" and last["restarted"] == ["0", "1"]
         assert {code for code, _ in load.answers} == {200}
         assert set(load.health) == {200}
+
+
+async def test_when_the_first_engine_never_starts_the_second_serves_alone(base_settings: Settings, state: Path) -> None:
+    settings = managed(
+        base_settings, state, "--fake-request-seconds", "0.2", "--fake-scenario", "crash-at-start",
+        "--fake-devices", "0", engine_devices="0;1", max_restarts=0, autofit_attempts=0,
+    )
+    with run_gateway(settings) as gw:
+        await asyncio.to_thread(eventually, lambda: [row["state"] for row in engines(gw)] == ["down", "ready"])
+        async with Load(gw) as load:
+            await load.more(8)
+            models = await load.http.get("/v1/models", headers=AS_CLIENT)
+        assert {answer for answer in load.answers} == {(200, "1")}
+        assert set(load.health) == {200}
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "fake-model"
+        gw.wait_ledger_empty()

@@ -72,6 +72,8 @@ def main() -> int:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--fake-scenario", default="ok")
     p.add_argument("--fake-on", default="", help="launch numbers the scenario applies to (default: all)")
+    p.add_argument("--fake-devices", default=None,
+                   help="the scenario applies only to the engine whose CUDA_VISIBLE_DEVICES is this")
     p.add_argument("--fake-state-dir", default=None)
     p.add_argument("--fake-native-len", type=int, default=32768)
     p.add_argument("--fake-kv-tokens", type=int, default=4096)
@@ -96,6 +98,8 @@ def main() -> int:
         (state / f"pid-{launch}").write_text(str(os.getpid()))
     on = {int(x) for x in args.fake_on.split(",") if x}
     scenario = args.fake_scenario if not on or launch in on else "ok"
+    if args.fake_devices is not None and os.environ.get("CUDA_VISIBLE_DEVICES") != args.fake_devices:
+        scenario = "ok"
 
     say("INFO", "Automatically detected platform cpu.")
     say("INFO", f"vLLM API server version 0.32.0 (fake), launch {launch}")
