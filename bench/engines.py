@@ -24,6 +24,20 @@ preemptions, and the gateway/direct ratios of the medians.
     .venv/bin/python bench/engines.py                                  # direct / strict / adaptive, 3 runs
     .venv/bin/python bench/engines.py --num-prompts 8 --output-len 400 --repeat 5
     .venv/bin/python bench/engines.py --workload prefix-groups         # direct / adaptive, 3 runs
+
+``--workload servers-prefix`` (``bench/engine_servers.py``): the prefix-groups traffic over two separate servers,
+the gateway (placement by prefix) against round-robin. ``--workload killed`` / ``frozen``
+(``bench/engine_faults.py``): steady load through a gateway over two servers while one is SIGKILLed and started
+again, or its engine core SIGSTOPped and SIGCONTed.
+
+    .venv/bin/python bench/engines.py --workload servers-prefix        # round-robin / gateway, 3 runs
+    .venv/bin/python bench/engines.py --workload killed                # 3 runs
+    .venv/bin/python bench/engines.py --workload frozen                # 3 runs
+
+``--workload rolling`` (``bench/engine_rolling.py``): two managed engines under load, restarted one at a time by
+``POST /guard/restart``, ``--repeat`` rounds in one session.
+
+    .venv/bin/python bench/engines.py --workload rolling               # 3 rounds
 """
 
 from __future__ import annotations
@@ -65,7 +79,7 @@ FINISHED = "vllm:request_success_total"
 HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 COUNTERS = (PREEMPTED, FINISHED, HITS, QUERIES)
-WORKLOADS = ("flood", "prefix-groups")
+WORKLOADS = ("flood", "prefix-groups", "servers-prefix", "killed", "frozen", "rolling")
 GROUPS = 2  # prefix groups of the prefix-groups workload
 
 
@@ -276,7 +290,8 @@ def describe(args: argparse.Namespace) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=WORKLOADS, default="flood", help="flood (default) or prefix-groups")
+    parser.add_argument("--workload", choices=WORKLOADS, default="flood",
+                        help="flood (default), prefix-groups, servers-prefix, killed, frozen or rolling")
     parser.add_argument("--policy", action="append", choices=sorted(MODES),
                         help="default strict and adaptive (flood), adaptive (prefix-groups)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per target, taken in turns (3)")
@@ -289,12 +304,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=8, help="prefix-groups: requests at a time (8)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
-    prefix_groups = args.workload == "prefix-groups"
+    if args.workload == "rolling":
+        from bench.engine_rolling import main as rolling
+
+        return rolling(["--rounds", str(args.repeat)])
+    if args.workload in ("killed", "frozen"):
+        from bench.engine_faults import run_faults
+
+        return run_faults(args, argv)
+    prefix_groups = args.workload in ("prefix-groups", "servers-prefix")
     if args.output_len is None:
         args.output_len = 32 if prefix_groups else 900
     if prefix_groups and (args.num_prompts < GROUPS or args.num_prompts % GROUPS):
         parser.error(f"--num-prompts must be a positive multiple of {GROUPS} (the prefix groups), not "
                      f"{args.num_prompts}")
+    if args.workload == "servers-prefix":
+        from bench.engine_servers import run_servers_prefix
+
+        return run_servers_prefix(args, argv)
     policies = args.policy or (["adaptive"] if prefix_groups else ["strict", "adaptive"])
     logs = Path(tempfile.mkdtemp(prefix="engines-bench-"))
     print(f"engines: logs in {logs}", file=sys.stderr)

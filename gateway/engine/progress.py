@@ -157,7 +157,11 @@ class ProgressDetector:
         """An engine view listener: each successful scrape, compared with the last successful one."""
         reading = reading_of(new)
         if reading is None:
-            return  # a failed scrape says nothing either way
+            # A failed scrape says nothing of movement, and the last one's running count is no longer the engine's
+            # work: an engine gone (killed, restarting) is down, not hung; only the gateway's own requests on it
+            # still count as work.
+            self._reading = None
+            return
         if self._reading is not None and moved(self._reading, reading):
             self._moved = True
         self._reading = reading

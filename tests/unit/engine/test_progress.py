@@ -126,13 +126,24 @@ def test_arrivals_alone_are_not_progress() -> None:
     assert e.detector.hung
 
 
-def test_failed_scrapes_neither_move_nor_reset_the_clock() -> None:
+def test_failed_scrapes_neither_move_nor_reset_the_clock_while_the_gateways_requests_run() -> None:
     e = Engine()
     e.scrape(running=1)
+    e.detector.opened()
     for _ in range(int(TIMEOUT) + 1):
         e.detector.observe(e.last, never_scraped(e.clock.now))
         e.after(1)
     assert e.detector.hung
+
+
+def test_an_engine_that_stops_answering_scrapes_with_none_of_the_gateways_requests_is_down_not_hung() -> None:
+    # Killed or restarting: its last scrape's running requests are no longer work anyone waits for.
+    e = Engine()
+    e.scrape(running=2)
+    for _ in range(3 * int(TIMEOUT)):
+        e.detector.observe(e.last, never_scraped(e.clock.now))
+        e.after(1)
+    assert not e.detector.hung
 
 
 @pytest.mark.parametrize(
