@@ -1,6 +1,7 @@
 """Two separate vLLM servers and one gateway over both (``--upstream`` twice), and the two-prefix-group workload
 over them: placement by prefix (the gateway) against round-robin (``bench/round_robin.py``, one proxy hop in its
-own process that sends each request to the next server in turn).
+own process that sends each request to the next server in turn) and against a second gateway over the same servers
+placing by free blocks alone (``--placement headroom``: the same gateway work per request, without the prefix).
 
 Each server: the tiny model, a 4 MiB KV cache (32 blocks of 128 tokens), max_model_len 2,048, prefix caching on
 (vLLM's default). Workload: vLLM's own benchmark client, ``prefix_repetition`` dataset, two random shared
@@ -8,7 +9,7 @@ prefixes, as ``bench/engines.py --workload prefix-groups`` drives one data-paral
 seed, so its prefixes are new and no run finds the previous run's cached. Per target: the prefix-cache hit rate
 (the run's deltas of ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total``, both servers and
 each), output tokens/s, mean TTFT, requests per server, preemptions, failed requests, and the gateway's medians
-over round-robin's.
+over round-robin's and over the headroom gateway's.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ QUERIES = "vllm:prefix_cache_queries_total"
 FINISHED = "vllm:request_success_total"
 PREEMPTED = "vllm:num_preemptions_total"
 COUNTERS = (HITS, QUERIES, FINISHED, PREEMPTED)
-TARGETS = ("round-robin", "gateway")
+# The gateway places by prefix (its default); "headroom" is the same gateway placing by free blocks alone.
+TARGETS = ("round-robin", "headroom", "gateway")
 
 
 @dataclass
@@ -157,11 +159,19 @@ def run_pair(args: argparse.Namespace, logs: Path) -> tuple[str, dict[str, list[
     results: dict[str, list[PrefixRun]] = {t: [] for t in TARGETS}
     with two_servers(logs, ("--queue-timeout", "600")) as pair:
         forwarder = round_robin_server(pair.servers, logs)
+        headroom = gateway_server(
+            pair.servers[0].url, logs / "gateway-headroom.log",
+            ["--upstream", pair.servers[1].url, "--queue-timeout", "600", "--placement", "headroom"],
+            name="gateway (headroom)",
+        )
         try:
             forwarder.start()
+            headroom.start()
             forwarder.wait_ready(("/health",), 60)
+            headroom.wait_ready(GATEWAY_READY_PATHS, 120)
+            wait_until_ready(headroom)
             version = str(get_json(f"{pair.servers[0].url}/version").get("version", "?"))
-            bases = {"round-robin": forwarder.url, "gateway": pair.gateway.url}
+            bases = {"round-robin": forwarder.url, "headroom": headroom.url, "gateway": pair.gateway.url}
             for rep in range(args.repeat):
                 # Rotate the order each round: the first run of a round is not always the same target.
                 order = TARGETS[rep % len(TARGETS):] + TARGETS[: rep % len(TARGETS)]
@@ -172,6 +182,7 @@ def run_pair(args: argparse.Namespace, logs: Path) -> tuple[str, dict[str, list[
                     print(f"engines: run {rep + 1} {target}: {run}", file=sys.stderr)
         finally:
             forwarder.stop()
+            headroom.stop()
     return version, results
 
 
@@ -204,12 +215,15 @@ def pair_ratios(results: dict[str, list[PrefixRun]]) -> str:
         "prefix-cache hit rate": lambda r: r.hit_rate, "output tokens/s": lambda r: r.tokens_per_s,
         "mean TTFT": lambda r: r.mean_ttft_ms,
     }
-    parts = []
-    for name, of in figures.items():
-        base = statistics.median(of(r) for r in results["round-robin"])
-        mine = statistics.median(of(r) for r in results["gateway"])
-        parts.append(f"{name} {mine / base:.2f}" if base else f"{name} -")
-    return "Gateway over round-robin, medians: " + "; ".join(parts) + "."
+    lines = []
+    for baseline in ("round-robin", "headroom"):
+        parts = []
+        for name, of in figures.items():
+            base = statistics.median(of(r) for r in results[baseline])
+            mine = statistics.median(of(r) for r in results["gateway"])
+            parts.append(f"{name} {mine / base:.2f}" if base else f"{name} -")
+        lines.append(f"Gateway (placement by prefix) over {baseline}, medians: " + "; ".join(parts) + ".")
+    return "\n".join(lines)
 
 
 def run_servers_prefix(args: argparse.Namespace, argv: Sequence[str] | None) -> int:

@@ -95,6 +95,9 @@ class Settings(BaseSettings):
         description="Book prompt blocks shared by requests in flight once, as vLLM's prefix cache holds them: auto "
         "(when the engine reports enable_prefix_caching), on, or off.",
     )
+    placement: Literal["prefix", "headroom"] = Field("prefix", description="Which of several engines that can take a "
+        "request gets it: prefix (the one holding or lately holding the longest prefix of its prompt, then the one "
+        "with the most free blocks) or headroom (the most free blocks only).")
     max_queue: int = Field(256, ge=0, description="Requests allowed to wait for capacity; more get 429.")
     queue_timeout: float = Field(
         30.0, gt=0, description="Seconds a request may wait in the queue before a 503."
@@ -337,11 +340,8 @@ class Settings(BaseSettings):
     def _consistent(self) -> Settings:
         if self.managed and not self.model:
             raise ValueError("--managed needs --model")
-        if (
-            self.max_prompt_tokens is not None
-            and self.max_model_len is not None
-            and self.max_prompt_tokens >= self.max_model_len
-        ):
+        prompt_cap, context = self.max_prompt_tokens, self.max_model_len
+        if prompt_cap is not None and context is not None and prompt_cap >= context:
             raise ValueError(
                 f"--max-prompt-tokens ({self.max_prompt_tokens}) must be below --max-model-len "
                 f"({self.max_model_len}) to leave room for output"

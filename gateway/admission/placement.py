@@ -3,7 +3,8 @@
 Each engine the gateway guards is a site; a data-parallel engine becomes one site per rank once its metrics show
 the ranks (the ``engine`` label), as soon as nothing is in flight on it. A request goes to a site where it fits
 now (the site's own policy and books), trying first the site that holds or lately held the longest prefix of its
-prompt (vLLM would skip that prefill there), then the one with the most room left. With several sites, one that
+prompt (vLLM would skip that prefill there), then the one with the most room left (``--placement headroom``: by
+room alone). With several sites, one that
 is down, hung or stale, or that publishes another block size or prefix-caching mode than the first, takes
 nothing while another can; with one site nothing is filtered (the request path reports its state). An engine
 held for its restart takes nothing at all: its requests wait for another engine, or for it to come back.
@@ -98,6 +99,8 @@ class Sites:
         if len(sites) <= 1:
             return sites
         usable = [s for s in sites if self._takes(s, block_size, sharing)] or sites
+        if self._settings.placement == "headroom":
+            return sorted(usable, key=lambda s: -s.free_blocks())
         return sorted(usable, key=lambda s: (-s.affinity(r), -s.free_blocks()))
 
     def _takes(self, site: Site, block_size: int, sharing: bool) -> bool:

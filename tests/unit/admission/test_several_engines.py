@@ -235,6 +235,17 @@ async def test_a_request_sharing_a_held_prefix_goes_to_the_engine_that_holds_it(
     pool.assert_drained()
 
 
+async def test_placement_by_headroom_alone_ignores_the_held_prefix() -> None:
+    pool = await engines(40, 40, prefix_sharing="on", placement="headroom")
+    filler = await pool.admitted(5)
+    holder = await pool.admitted(11, prefix=prompt(1))
+    sharer = await pool.admitted(11, prefix=prompt(2))
+    assert (target(filler), target(holder), target(sharer)) == ("0", "1", "0")  # 35 free on 0 against 29 on 1
+    assert sharer.blocks == 11  # nothing of its prompt is held where it went
+    for r in (filler, holder, sharer):
+        r.release()
+    pool.assert_drained()
+
 # -- data-parallel ranks ----------------------------------------------------------------------------
 def two_ranks(blocks: int) -> str:
     """A data-parallel engine's page: two ranks of ``blocks`` blocks each, under their ``engine`` labels (vLLM
