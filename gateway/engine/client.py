@@ -33,6 +33,7 @@ HOP_HEADERS = frozenset(
 RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
 # A retry hint for clients when the upstream cannot be reached at all.
 UNREACHABLE_RETRY_AFTER = 5.0
+KEEPALIVE_SECONDS = 4.0  # idle pooled connections to the engine are closed after this (see start())
 # The gateway asks for identity; an upstream that compresses anyway is decoded up to this size per body.
 DECODED_BODY_LIMIT = 256 * 1024 * 1024
 
@@ -110,7 +111,10 @@ class Upstream:
         s = self._settings
         connector = aiohttp.TCPConnector(
             limit=s.upstream_connections, limit_per_host=s.upstream_connections, ttl_dns_cache=300,
-            enable_cleanup_closed=False, keepalive_timeout=30,
+            # Below vLLM's own idle timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s in vllm/envs.py): a pooled connection
+            # kept longer is one vLLM may close just as a request goes out on it, which the client would get as a
+            # 503 "Server disconnected" (seen after a 5 s lull between two floods).
+            enable_cleanup_closed=False, keepalive_timeout=KEEPALIVE_SECONDS,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
