@@ -33,7 +33,7 @@ class Parts:
     engines: list[Engine[Models]] = field(default_factory=list)  # every engine guarded; the first is ``engine``
     # Managed mode with several engines: one supervisor per engine (the first is ``supervisor``), restarts rolling.
     supervisors: list[Supervisor] = field(default_factory=list)
-    rolling: RollingRestarts | None = None
+    rolling: RollingRestarts | None = None  # managed mode: restarts asked for or scheduled
 
     def engine_at(self, index: int) -> Engine[Models]:
         """The engine a reservation was placed on (``Target.engine``)."""

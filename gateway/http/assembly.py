@@ -151,10 +151,10 @@ def manage(parts: Parts, stack: contextlib.AsyncExitStack) -> None:
         sup.admission = parts.admission if len(sups) == 1 else EngineControl(parts.admission, i)
         sup.engine = engine.view
         stack.push_async_callback(sup.stop)
-    if len(sups) > 1 or settings.restart_every is not None:
-        parts.rolling = RollingRestarts(sups, every=settings.restart_every, ready_timeout=settings.startup_timeout)
-        parts.rolling.start()
-        stack.push_async_callback(parts.rolling.close)
+    # With one engine a turn restarts it in place; with several, one at a time while the others serve.
+    parts.rolling = RollingRestarts(sups, every=settings.restart_every, ready_timeout=settings.startup_timeout)
+    parts.rolling.start()
+    stack.push_async_callback(parts.rolling.close)
     # Cancelled and awaited on shutdown, before the supervisors stop their engines.
     managing = OwnedTasks()
     for i, (sup, engine) in enumerate(zip(sups, parts.engines, strict=True)):

@@ -69,14 +69,9 @@ async def restart(request: Request) -> Response:
     """Restart the managed engine; with several, one at a time while the others serve (``?engine=N``: that one)."""
     parts = parts_of(request)
     authenticate(parts.settings, request, admin=True)
-    if parts.supervisor is None:
+    if parts.rolling is None:  # built with the supervisors
         raise InvalidRequest("Restart needs managed mode (--managed); this gateway guards an external engine.")
     named = request.query_params.get("engine")
-    if parts.rolling is None:
-        if named not in (None, parts.supervisor.name):
-            raise InvalidRequest(f"No engine {named!r}: this gateway runs one engine, '0'.", param="engine")
-        parts.supervisor.request_restart("manual")
-        return json({"restarting": True, "engines": [parts.supervisor.name], "rolling": False}, 202)
     names = parts.rolling.names()
     if named is not None and named not in names:
         raise InvalidRequest(f"No engine {named!r}: the engines are {', '.join(names)}.", param="engine")
