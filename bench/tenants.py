@@ -20,12 +20,16 @@ shared machine hits both alike): the quiet tenant's p50/p99 queue wait (the gate
 time to first token, each tenant's share of the tokens served (prompt + completion tokens of the requests
 finished while the quiet tenant was sending) and the total output tokens per second over that window; then the
 ratios to FIFO. Before every run the quiet tenant's TTFT is measured on the idle engine, through the same
-gateway, for the "within 2x of idle" comparison. While the quiet tenant sends, ``/guard/status`` is read every
-``STATUS_INTERVAL_S``: the blocks each tenant holds and the quiet tenant's demand as the headroom counts it.
+gateway, for the "within 2x of idle" comparison. With ``--engine-floor`` the fair mode's runs also send the quiet
+requests a second time, half an interval later, straight to vLLM: the time to first token the engine itself gives
+such a request under the same flood, which no gateway in front of it can beat. While the quiet tenant sends,
+``/guard/status`` is read every ``STATUS_INTERVAL_S``: the blocks each tenant holds and the quiet tenant's demand
+as the headroom counts it.
 
     .venv/bin/python bench/tenants.py                      # 3 runs per mode, about 10 minutes
     .venv/bin/python bench/tenants.py --repeat 5 --duration 40 --out /tmp/tenants.md
     .venv/bin/python bench/tenants.py --kv-blocks 129 --flood-clients 48   # a cache four times larger
+    .venv/bin/python bench/tenants.py --engine-floor    # and the engine's own TTFT under the flood
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ BLOCK_TOKENS = 128
 KV_BLOCKS = 33  # the default cache; vLLM keeps one as its null block: 32 for requests
 TOKEN_BYTES = 1024  # the tiny model: 2 (K, V) x 1 KV head x 64 dims x 4 bytes x 2 layers
 KEYS = {"flood": "bench-flood", "quiet": "bench-quiet"}
+ENGINE = "engine"  # the quiet requests sent straight to vLLM (``--engine-floor``), counted apart from both tenants
 NO_HEADROOM_MODE = "fair, no headroom"
 SHARE_MODE = "fair + kv_share"
 STATUS_INTERVAL_S = 0.25
@@ -89,6 +94,7 @@ class Options:
     timeout_s: float
     flood_kv_share: float
     kv_blocks: int = KV_BLOCKS
+    engine_floor: bool = False
 
 
 @dataclass
@@ -123,7 +129,8 @@ class Run:
         quiet = self.quiet()
         waits = sorted(a.queue_ms / 1000 for a in quiet if a.queue_ms is not None)
         ttfts = sorted(a.ttft_s for a in quiet if a.ttft_s is not None)
-        served = self.in_window()
+        floor = sorted(a.ttft_s for a in self.answers if a.tenant == ENGINE and a.ok and a.ttft_s is not None)
+        served = [a for a in self.in_window() if a.tenant in KEYS]
         tokens = {t: sum(a.prompt_tokens + a.completion_tokens for a in served if a.tenant == t) for t in KEYS}
         total = sum(tokens.values())
         seconds = self.window[1] - self.window[0]
@@ -134,6 +141,8 @@ class Run:
             "quiet p99 queue wait (s)": nearest_rank(waits, 0.99),
             "quiet p50 TTFT (s)": nearest_rank(ttfts, 0.50),
             "quiet p99 TTFT (s)": nearest_rank(ttfts, 0.99),
+            "quiet p50 TTFT straight to vLLM (s)": nearest_rank(floor, 0.50),
+            "quiet p99 TTFT straight to vLLM (s)": nearest_rank(floor, 0.99),
             "quiet TTFT on an idle engine, p50 (s)": self.idle_ttft_s,
             "flood share of tokens served": tokens["flood"] / total if total else None,
             "quiet share of tokens served": tokens["quiet"] / total if total else None,
@@ -154,12 +163,13 @@ def nearest_rank(ordered: Sequence[float], q: float) -> float | None:
 async def complete(
     session: aiohttp.ClientSession, base: str, tenant: str, prompt: list[int], max_tokens: int
 ) -> Answer:
-    """One streamed completion as ``tenant``: its queue wait, time to first token and usage."""
+    """One streamed completion as ``tenant`` (``ENGINE``: no key, ``base`` is vLLM's): its queue wait, time to
+    first token and usage."""
     body = {
         "model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
-    headers = {"authorization": f"Bearer {KEYS[tenant]}"}
+    headers = {"authorization": f"Bearer {KEYS[tenant]}"} if tenant in KEYS else {}
     started = time.monotonic()
     answer = Answer(tenant, started, started, False)
     try:
@@ -198,8 +208,9 @@ async def idle_ttft(session: aiohttp.ClientSession, base: str, opts: Options, se
     return statistics.median(ttfts) if ttfts else None
 
 
-async def contend(base: str, mode: str, opts: Options, seed: int) -> Run:
-    """The flood, and the quiet tenant's trickle once the flood has filled the queue."""
+async def contend(base: str, mode: str, opts: Options, seed: int, floor_url: str | None = None) -> Run:
+    """The flood, and the quiet tenant's trickle once the flood has filled the queue; with ``floor_url`` (vLLM)
+    each quiet request is sent there too, half an interval later."""
     timeout = aiohttp.ClientTimeout(total=opts.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         idle = await idle_ttft(session, base, opts, seed * 100_000 + 90_000)
@@ -215,6 +226,12 @@ async def contend(base: str, mode: str, opts: Options, seed: int) -> Run:
         async def quiet_one() -> None:
             prompt = token_ids(opts.quiet_prompt, seed=next(sequence))
             answers.append(await complete(session, base, "quiet", prompt, opts.quiet_max_tokens))
+
+        async def straight_one() -> None:
+            assert floor_url is not None
+            await asyncio.sleep(opts.quiet_interval_s / 2)
+            prompt = token_ids(opts.quiet_prompt, seed=next(sequence))
+            answers.append(await complete(session, floor_url, ENGINE, prompt, opts.quiet_max_tokens))
 
         tenants: list[dict[str, dict[str, float]]] = []
 
@@ -232,6 +249,8 @@ async def contend(base: str, mode: str, opts: Options, seed: int) -> Run:
         trickle: list[asyncio.Task[None]] = []
         while time.monotonic() < start + opts.duration_s:
             trickle.append(asyncio.create_task(quiet_one()))
+            if floor_url is not None:
+                trickle.append(asyncio.create_task(straight_one()))
             await asyncio.sleep(opts.quiet_interval_s)
         end = time.monotonic()
         watcher.cancel()
@@ -307,9 +326,13 @@ def render(argv: Sequence[str], runs: dict[str, list[Run]], opts: Options, versi
     # The idle engine is the same whichever gateway measured it: pool every run's figure.
     idle = statistics.median(r.idle_ttft_s for mode_runs in runs.values() for r in mode_runs if r.idle_ttft_s)
 
-    def over_idle(mode: str, q: str) -> str:
-        ttft = table[mode][f"quiet {q} TTFT (s)"]
+    def over_idle(mode: str, q: str, what: str = "TTFT") -> str:
+        ttft = table[mode][f"quiet {q} {what} (s)"]
         return "-" if ttft is None else f"{ttft / idle:.1f}x"
+
+    def over_floor(q: str) -> str:
+        ttft, floor = table["fair"][f"quiet {q} TTFT (s)"], table["fair"][f"quiet {q} TTFT straight to vLLM (s)"]
+        return "-" if ttft is None or not floor else f"{ttft / floor:.2f}x"
 
     every = {
         mode: " / ".join(cell(r.figures()["quiet p99 queue wait (s)"]) for r in mode_runs)
@@ -337,6 +360,13 @@ def render(argv: Sequence[str], runs: dict[str, list[Run]], opts: Options, versi
         f"Quiet TTFT on an idle engine (median of every run's): {idle:.3f} s. Under the flood, over that: "
         + "; ".join(f"{m} p50 {over_idle(m, 'p50')}, p99 {over_idle(m, 'p99')}" for m in table) + ".",
     ]
+    if opts.engine_floor:
+        lines.append(
+            "The quiet requests sent straight to vLLM during the fair runs (no gateway, the same flood), over the "
+            f"idle engine: p50 {over_idle('fair', 'p50', 'TTFT straight to vLLM')}, p99 "
+            f"{over_idle('fair', 'p99', 'TTFT straight to vLLM')}; fair through the gateway over them: p50 "
+            f"{over_floor('p50')}, p99 {over_floor('p99')}."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -361,12 +391,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kv-blocks", type=int, default=KV_BLOCKS,
         help=f"vLLM's KV cache in blocks of {BLOCK_TOKENS} tokens, its null block included ({KV_BLOCKS})",
     )
+    parser.add_argument(
+        "--engine-floor", action="store_true",
+        help="in the fair runs, also send each quiet request straight to vLLM: the engine's own TTFT under the flood",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
     opts = Options(
         args.duration, args.warmup, args.flood_clients, args.flood_prompt, args.flood_max_tokens, args.quiet_prompt,
         args.quiet_max_tokens, args.quiet_interval, args.idle_samples, args.timeout, args.flood_kv_share,
-        args.kv_blocks,
+        args.kv_blocks, args.engine_floor,
     )
     logs = Path(tempfile.mkdtemp(prefix="tenants-logs-"))
     print(f"tenants: logs in {logs}", file=sys.stderr)
@@ -392,7 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for mode, gateway in gateways.items():
                 wait_idle(vllm)
                 print(f"tenants: run {rep + 1}/{args.repeat}, {mode}", file=sys.stderr)
-                run = asyncio.run(contend(gateway.url, mode, opts, seed=rep + 1))
+                floor = vllm.url if opts.engine_floor and mode == "fair" else None
+                run = asyncio.run(contend(gateway.url, mode, opts, seed=rep + 1, floor_url=floor))
                 runs[mode].append(run)
                 print(json.dumps({k: v if v is None else round(v, 3) for k, v in run.figures().items()}),
                       file=sys.stderr)

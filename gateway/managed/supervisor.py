@@ -174,10 +174,6 @@ class Supervisor:
         # A caller that goes away (an HTTP client) must not cancel the restart it asked for.
         await asyncio.shield(task)
 
-    def request_restart(self, reason: str) -> None:
-        """Restart in the background (POST /guard/restart answers at once); stop() ends it."""
-        self._tasks.spawn(self.restart(reason))
-
     async def stop(self) -> None:
         """End every task of the supervisor, then SIGTERM the engine's group, wait the grace, SIGKILL the rest."""
         self._stopping = True

@@ -170,16 +170,18 @@ async def test_a_manual_restart_drains_in_flight_requests_first(state: Path, sup
     await sup.stop()
 
 
-async def test_a_background_restart_belongs_to_the_supervisor_and_ends_with_it(
+async def test_a_restart_belongs_to_the_supervisor_outlives_its_caller_and_ends_with_it(
     state: Path, supervisors: list[Supervisor]
 ) -> None:
     sup, _ = make(supervisors, settings(state, "ok"))
     await sup.start()
-    sup.request_restart("manual")
+    caller = asyncio.create_task(sup.restart("manual"))
+    await eventually(lambda: launches(state) == 2)
+    caller.cancel()  # an HTTP client that went away
     await eventually(lambda: sup.restarts == 1 and sup.state == "ready")
-    assert launches(state) == 2
-    sup.request_restart("manual")
+    caller = asyncio.create_task(sup.restart("manual"))
     await eventually(lambda: (state / "pid-3").exists())
+    caller.cancel()
     await sup.stop()
     assert len(sup._tasks) == 0
     assert sup.state == "down"
