@@ -7,7 +7,9 @@ holds now), and ``max(live_used, sum over in-flight r of final(r))`` (their expe
 ``final`` is ``growth`` without credit). The second keeps a request whose progress is unknown (not streamed,
 not yet started) from being counted twice, once in live usage and once whole:
 
-- ``live_used`` = ``kv_cache_usage_perc x capacity``: what the engine holds now, prefix sharing included;
+- ``live_used`` = ``kv_cache_usage_perc x capacity``: what the engine holds now, prefix sharing included; the
+  shared prompt blocks that no request seen running holds, and that no request in flight counts in its own
+  blocks (the one that added them has ended), are added to the first bound: the usage may predate them;
 - ``credited(r)``: the blocks ``r`` surely held when that usage was measured, known from its streamed
   progress (prompt blocks of each sequence plus the tokens generated). Only a request seen making progress
   shortly before the measurement is credited: one not yet scheduled, or preempted, is not in ``live_used``
@@ -27,7 +29,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,6 +61,8 @@ class Booked(Protocol):
     def prefix_blocks(self) -> int: ...
     @property
     def shared_blocks(self) -> int: ...
+    @property
+    def keys(self) -> Sequence[Hashable]: ...
     @property
     def generated(self) -> int: ...
     @property
@@ -181,6 +185,8 @@ def project(
     shared prompt blocks the in-flight requests hold together, each once."""
     on_top = live_used
     final = shared_held
+    seen_keys: set[Hashable] = set()  # shared blocks of requests seen running: in the live usage
+    added_unseen = 0  # shared blocks added by requests not seen running: in their own growth
     for r in in_flight:
         # On top of live usage: each request's growth past what the snapshot surely holds of it. A request
         # with no progress seen (not streamed, or not yet started) is counted whole, so what it already
@@ -189,7 +195,15 @@ def project(
         # Their final sizes together, never below what the engine holds now: exact for requests whose
         # progress is unknown, as long as the gateway is the engine's client (--kv-target leaves room).
         final += growth(r, block_size, outlook, use_credit=False) - r.prefix_blocks
-    return min(on_top, max(live_used, final))
+        if r.credited is not None:
+            seen_keys.update(r.keys)
+        else:
+            added_unseen += r.prefix_blocks
+    # Shared blocks whose request that added them has ended, held now only by requests not seen running, are in
+    # neither: the usage may predate them (a snapshot from before they were scheduled), and the engine will
+    # hold them again. A block counted both ways above makes this an underestimate by one, which the double
+    # count covers.
+    return min(on_top + max(0, shared_held - len(seen_keys) - added_unseen), max(live_used, final))
 
 
 def credited_progress(checkpoints: Iterable[tuple[float, int]], taken_at: float, window: float, n: int) -> int | None:

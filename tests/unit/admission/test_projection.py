@@ -126,6 +126,7 @@ class Booked:
     credits: int = 0
     prefix_blocks: int = 0  # no prefix sharing: the projection as it was before sharing
     shared_blocks: int = 0
+    keys: tuple[str, ...] = ()
 
     def credit(self, taken_at: float, window: float) -> None:
         self.credits += 1
@@ -167,6 +168,36 @@ def test_the_projection_keeps_the_smaller_of_its_two_bounds() -> None:
     assert project(50, unknown, 16, outlook) == 55
     assert project(70, unknown, 16, outlook) == 70  # never below what the engine holds now
     assert project(0, [], 16, outlook) == 0
+
+
+def sharer(prefix: str, shared: int, *, added: bool = False, credited: int | None = None) -> Booked:
+    """The 20-block request above whose first ``shared`` prompt blocks are shared (``added``: it booked them)."""
+    keys = tuple(f"{prefix}{i}" for i in range(shared))
+    own = 20 - shared
+    return Booked(
+        blocks=own + (shared if added else 0), prefix_blocks=shared if added else 0, shared_blocks=shared, keys=keys,
+        credited=credited,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("in_flight", "live", "shared_held", "projected"),
+    [
+        # The request that added the 9 shared blocks has ended; its two sharers were not seen running, and the
+        # usage (from before they were scheduled) holds none of it: the shared blocks come on top (11 own each).
+        ([sharer("a", 9), sharer("a", 9)], 0, 9, 0 + 11 + 11 + 9),
+        # One sharer seen running (its prompt's tail block in use): the usage holds the shared blocks.
+        ([sharer("a", 9, credited=0), sharer("a", 9)], 10, 9, 10 + 10 + 11),
+        # The one that added them is in flight, not seen running: its own growth counts them.
+        ([sharer("a", 9, added=True), sharer("a", 9)], 0, 9, 20 + 11),
+        # Two prefixes, only the first held by a request seen running: the second's 5 blocks come on top.
+        ([sharer("a", 9, credited=0), sharer("b", 5)], 10, 14, 10 + 10 + 15 + 5),
+    ],
+)
+def test_shared_blocks_not_surely_in_the_live_usage_are_projected_on_top_of_it(
+    in_flight: list[Booked], live: int, shared_held: int, projected: int
+) -> None:
+    assert project(live, in_flight, 16, Outlook(1.0, None), shared_held) == projected
 
 
 def test_credited_progress_is_the_newest_checkpoint_in_the_window_less_what_runs_ahead() -> None:
