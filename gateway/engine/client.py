@@ -6,6 +6,7 @@ on this hardware, aiohttp ~4,000. Transport failures become ``GatewayError``s he
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from gateway.config import Settings
 from gateway.engine.vllm_api import upstream_error_from
 from gateway.errors import BadUpstreamResponse, GatewayError, UpstreamTimeout, UpstreamUnavailable
 from gateway.redact import redact_url, redact_urls_in
+
+log = logging.getLogger(__name__)
 
 # Headers that describe one hop, never forwarded (RFC 9110 7.6.1), plus those we set ourselves, plus the
 # client's credentials: its key is the gateway's (the upstream gets --upstream-api-key instead), and its
@@ -175,7 +178,7 @@ class Upstream:
         if timeout is not None:
             kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
         try:
-            response = await self.session.request(method, url, **kwargs)
+            response = await self._send(method, url, kwargs)
         except TimeoutError as exc:
             raise self._timeout(timeout) from exc
         except aiohttp.ClientConnectorError as exc:
@@ -193,6 +196,18 @@ class Upstream:
                 retry_after=UNREACHABLE_RETRY_AFTER,
             ) from exc
         return UpstreamStream(response, lambda: self._timeout(timeout))
+
+    async def _send(self, method: str, url: URL, kwargs: dict[str, Any]) -> aiohttp.ClientResponse:
+        """The request, sent once more on a new connection when a pooled one breaks before any answer: the engine
+        closed it as the request went out (its idle timeout and ours race under load), and it never saw the
+        request whole, so it ran nothing."""
+        try:
+            return await self.session.request(method, url, **kwargs)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):
+                raise  # not reached at all: no pooled connection to blame
+            log.info("the upstream closed a pooled connection as a request went out (%s); sending it again", exc)
+            return await self.session.request(method, url, **kwargs)
 
     def _timeout(self, timeout: float | None) -> UpstreamTimeout:
         s = self._settings

@@ -16,6 +16,7 @@ turns errors into answers.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
@@ -23,6 +24,7 @@ from typing import Any
 from gateway import jsonio
 from gateway.admission import Reservation
 from gateway.engine.sse import require_event_stream
+from gateway.engine.vllm_api import ModelList
 from gateway.errors import GatewayError, UpstreamError, UpstreamUnavailable
 from gateway.guard import exchange, planning, pooling
 from gateway.guard.context import Booking, Reply, RequestContext
@@ -82,12 +84,25 @@ def parse(route: str, body: dict[str, Any]) -> GuardedRequest | PoolingRequest:
 async def engine_limits(parts: Parts, req: GuardedRequest | PoolingRequest) -> tuple[Limits, int]:
     """The limits in force for this request's model, and the engine's own context length."""
     s = parts.settings
-    info = await parts.models.info()
+    info = await served_listing(parts)
     parts.models.check_model(req.model, info)
     limit = effective_max_model_len(info.max_model_len, s.max_model_len)
     if limit is None or info.max_model_len is None:
         raise UpstreamUnavailable("The upstream does not report max_model_len yet.", retry_after=5)
     return Limits(limit, s.max_prompt_tokens, s.max_output_tokens, s.min_output_tokens), info.max_model_len
+
+
+async def served_listing(parts: Parts) -> ModelList:
+    """The first engine's model listing; while it has none to give (it has not come up yet), another engine's:
+    every engine serves the first one's model (checked as each comes up). Managed engines install that stand-in
+    once the second is ready; until then a request would otherwise fail on the first engine's absence."""
+    try:
+        return await parts.models.info()
+    except (UpstreamUnavailable, UpstreamError):
+        for engine in parts.every_engine()[1:]:
+            with contextlib.suppress(UpstreamUnavailable, UpstreamError):
+                return await engine.models.info()
+        raise
 
 
 async def check_tenant_limits(parts: Parts, ctx: RequestContext, booking: Booking) -> Grant:

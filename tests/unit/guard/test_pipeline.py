@@ -1,4 +1,5 @@
-"""Pipeline pieces that are hard to reach over HTTP: a stream whose client is gone before its first byte."""
+"""Pipeline pieces that are hard to reach over HTTP: a stream whose client is gone before its first byte; the model
+listing while the first engine has not come up."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from gateway.config import Settings
 from gateway.engine.engine import Engine
+from gateway.engine.vllm_api import ModelList, ServedModel
+from gateway.errors import UpstreamUnavailable
 from gateway.guard import pipeline
 from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
@@ -98,3 +101,49 @@ async def test_a_finished_stream_is_freed_once_as_completed() -> None:
     await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
     assert stream.closed == 1 and reservation.released == [True]
     assert sent[1]["body"] == b"data: {}\n\n"
+
+
+class FakeModels:
+    def __init__(self, listing: ModelList | None) -> None:
+        self.listing = listing
+        self.asked = 0
+
+    async def info(self) -> ModelList:
+        self.asked += 1
+        if self.listing is None:
+            raise UpstreamUnavailable("The upstream is unreachable.", retry_after=5)
+        return self.listing
+
+
+class FakeEngine:
+    def __init__(self, listing: ModelList | None) -> None:
+        self.models = FakeModels(listing)
+
+
+def parts_with(*listings: ModelList | None) -> Parts:
+    engines = [FakeEngine(listing) for listing in listings]
+    return Parts(Settings(), Metrics(), engines[0], None, engines=engines)  # type: ignore[arg-type]
+
+
+LISTING = ModelList((ServedModel("tiny", "tiny", 2048),))
+
+
+@pytest.mark.parametrize(
+    ("listings", "served"),
+    [
+        ((LISTING, None), LISTING),  # the first engine's own
+        ((None, LISTING), LISTING),  # the first has not come up: the second's stands in
+        ((None, None, LISTING), LISTING),
+    ],
+)
+async def test_the_model_listing_comes_from_the_first_engine_that_can_give_one(
+    listings: tuple[ModelList | None, ...], served: ModelList
+) -> None:
+    assert await pipeline.served_listing(parts_with(*listings)) == served
+
+
+async def test_with_no_engine_up_the_first_engines_failure_is_told() -> None:
+    parts = parts_with(None, None)
+    with pytest.raises(UpstreamUnavailable, match="unreachable"):
+        await pipeline.served_listing(parts)
+    assert [e.models.asked for e in parts.engines] == [1, 1]  # type: ignore[attr-defined]
