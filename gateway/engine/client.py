@@ -198,9 +198,9 @@ class Upstream:
         return UpstreamStream(response, lambda: self._timeout(timeout))
 
     async def _send(self, method: str, url: URL, kwargs: dict[str, Any]) -> aiohttp.ClientResponse:
-        """The request, sent once more on a new connection when a pooled one breaks before any answer: the engine
-        closed it as the request went out (its idle timeout and ours race under load), and it never saw the
-        request whole, so it ran nothing."""
+        """The request, sent once more on a new connection when its connection breaks before any answer. Most
+        often a pooled one the engine closed as the request went out (its idle timeout and ours race under load):
+        it never saw the request whole, so it ran nothing. A new connection that breaks too is the second try."""
         try:
             return await self.session.request(method, url, **kwargs)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
