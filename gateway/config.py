@@ -12,25 +12,26 @@ from typing import Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from gateway.durations import parse_duration
+from gateway.config_admission import AdmissionFields
+from gateway.config_http import HttpFields
+from gateway.config_managed import MANAGED_HANG_TIMEOUT, ManagedFields
+from gateway.config_observe import ObserveFields
 from gateway.redact import redact_url, url_has_credentials
 
 ENV_PREFIX = "VLLM_GUARD_"
-MANAGED_HANG_TIMEOUT = 60.0  # --hang-timeout's default in managed mode, where a hang means a restart
 _BOOL = TypeAdapter(bool)
 
 PromptOverflowPolicy = Literal["reject", "truncate"]
 MaxTokensOverflowPolicy = Literal["clamp", "reject"]
-AdmissionPolicyName = Literal["strict", "adaptive"]
-PrefixSharing = Literal["auto", "on", "off"]
 # vLLM's routes that generate outside the guard's counting; --passthrough-route may name only these.
 GENERATING_ROUTES = (
     "/v1/messages", "/invocations", "/inference/v1/generate", "/v1/audio/transcriptions", "/v1/audio/translations",
 )
 
 
-class Settings(BaseSettings):
-    """The whole configuration. Field descriptions double as ``--help`` texts."""
+class Settings(BaseSettings, AdmissionFields, HttpFields, ManagedFields, ObserveFields):
+    """The whole configuration. Field descriptions double as ``--help`` texts; the groups of fields of
+    one concern live in the ``config_*`` modules."""
 
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=True, populate_by_name=True,
@@ -70,68 +71,6 @@ class Settings(BaseSettings):
     )
     on_max_tokens_overflow: MaxTokensOverflowPolicy = Field(
         "clamp", description="max_tokens larger than what is left of the context: clamp or reject."
-    )
-
-    # -- KV admission -----------------------------------------------------------------------------
-    kv_target: float = Field(
-        1.0,
-        gt=0.0,
-        le=1.0,
-        description="Fraction of the engine's KV blocks the gateway may commit; lower it when clients "
-        "bypass the gateway.",
-    )
-    kv_blocks: int | None = Field(
-        None, ge=1, description="Engine KV capacity in blocks, when the engine does not publish it."
-    )
-    kv_tokens: int | None = Field(
-        None, ge=1, description="Engine KV capacity in tokens (alternative to --kv-blocks)."
-    )
-    block_size: int | None = Field(None, ge=1, description="Engine KV block size in tokens, when unpublished.")
-    admission_policy: AdmissionPolicyName = Field(
-        "adaptive", description="strict: never commit past the ledger; adaptive: use live usage too."
-    )
-    prefix_sharing: PrefixSharing = Field(
-        "auto",
-        description="Book prompt blocks shared by requests in flight once, as vLLM's prefix cache holds them: auto "
-        "(when the engine reports enable_prefix_caching), on, or off.",
-    )
-    placement: Literal["prefix", "headroom"] = Field("prefix", description="Which of several engines that can take a "
-        "request gets it: prefix (the one holding or lately holding the longest prefix of its prompt, then the one "
-        "with the most free blocks) or headroom (the most free blocks only).")
-    max_queue: int = Field(256, ge=0, description="Requests allowed to wait for capacity; more get 429.")
-    queue_timeout: float = Field(
-        30.0, gt=0, description="Seconds a request may wait in the queue before a 503."
-    )
-    shed_early: Literal["on", "off"] = Field(
-        "on", description="on: a queued request forecast to wait past --queue-timeout (from the KV blocks waiting "
-        "ahead of it and the rate the engine frees blocks) is refused at once with 503 and that wait as "
-        "Retry-After; off: it waits until the timeout."
-    )
-    max_concurrency: int | None = Field(
-        None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."
-    )
-    starvation_bound: int = Field(
-        8, ge=0, description="How many smaller requests may pass a blocked larger one at the head of the queue."
-    )
-    fair_queueing: Literal["on", "off"] = Field(
-        "on", description="on: the queue serves tenants by weighted fair share of tokens served, priorities within "
-        "a tenant; off: one queue by priority, FIFO within a priority."
-    )
-    tenant_headroom: Literal["on", "off"] = Field(
-        "on", description="on (with fair queueing): while two or more tenants are active (sent a request in the last "
-        "30 s), a request leaves free the KV blocks each other one recently held and asked for, up to its weighted "
-        "fair share; off: a tenant may take every free block."
-    )
-    time_aware: Literal["on", "off"] = Field(
-        "off", description="on: strict also admits when the peak of the engine's usage over the coming steps fits the "
-        "budget, the streamed requests in flight ending in turn and the new one growing a token a step (not with "
-        "speculative decoding); off: every request in flight counts at its full size at once."
-    )
-    scrape_interval: float = Field(
-        0.25, gt=0, description="Seconds between scrapes of the engine's /metrics."
-    )
-    metrics_stale_after: float = Field(
-        2.0, gt=0, description="Engine metrics older than this are stale and only the ledger is trusted."
     )
 
     # -- auth -------------------------------------------------------------------------------------
@@ -174,135 +113,7 @@ class Settings(BaseSettings):
                 )
         return list(dict.fromkeys(v))
 
-    # -- HTTP limits and timeouts -----------------------------------------------------------------
-    max_body_bytes: int = Field(
-        8 * 1024 * 1024, ge=1024, description="Largest request body accepted; larger gets 413."
-    )
-    connect_timeout: float = Field(5.0, gt=0, description="Seconds to connect to the upstream.")
-    request_timeout: float = Field(
-        600.0, gt=0, description="Seconds an upstream request may take in total (streams included)."
-    )
-    read_timeout: float = Field(
-        300.0, gt=0, description="Seconds the upstream may stay silent (first byte or between chunks)."
-    )
-    upstream_connections: int = Field(
-        512, ge=1, description="Most pooled connections to the upstream."
-    )
-
-    # -- connection limits ------------------------------------------------------------------------
-    max_header_bytes: int = Field(
-        32 * 1024, ge=1024, description="Largest request line plus headers, in bytes; larger gets 431."
-    )
-    max_headers: int = Field(100, ge=1, description="Most headers in one request; more gets 431.")
-    header_timeout: float = Field(
-        10.0, gt=0, description="Seconds a request line and its headers may take from their first byte; "
-        "slower gets 408 and the connection is closed."
-    )
-    keep_alive_timeout: float = Field(
-        5.0, gt=0, description="Seconds a connection may stay idle (just opened, or after a response) before "
-        "it is closed."
-    )
-    max_connections: int = Field(
-        2048, ge=1, description="Most client connections open at once; one more gets 503 with Retry-After and "
-        "is closed."
-    )
-    body_timeout: float = Field(
-        30.0, gt=0, description="Seconds a request body may take to arrive in total; slower gets 408."
-    )
-    min_body_rate: float = Field(
-        1024.0, ge=0, description="Slowest request body accepted after --body-rate-grace, in bytes per second; "
-        "slower gets 408 (0: no minimum)."
-    )
-    body_rate_grace: float = Field(
-        5.0, ge=0, description="Seconds a request body may take before --min-body-rate applies."
-    )
-
-    # -- request templates ------------------------------------------------------------------------
-    trust_request_chat_template: bool = Field(
-        False,
-        description="Accept a chat_template sent in a request (as vLLM's flag of the same name; the engine "
-        "needs it too). Off: such requests get 400. On: the gateway renders them in a sandboxed worker "
-        "process bounded by the --request-template-* limits.",
-    )
-    request_template_timeout: float = Field(
-        1.0, gt=0, le=60, description="Seconds a request's chat_template may take to render; longer gets 400."
-    )
-    request_template_max_chars: int = Field(
-        4 * 1024 * 1024,
-        ge=1024,
-        description="Most characters a request's chat_template may render; more gets 400.",
-    )
-    request_template_memory_mib: int = Field(
-        512,
-        ge=64,
-        description="Memory (MiB of address space) a request template's render may add to its worker process; "
-        "more gets 400.",
-    )
-    request_template_workers: int = Field(
-        1,
-        ge=1,
-        le=32,
-        description="Worker processes rendering request templates; further renders queue for one.",
-    )
-
-    # -- upstream streams -------------------------------------------------------------------------
-    max_stream_event_bytes: int = Field(
-        16 * 1024 * 1024,
-        ge=64 * 1024,
-        description="Largest single server-sent event accepted from the upstream (streams are relayed one whole "
-        "event per write, so an event is held until its end); a larger one ends the stream with an error event.",
-    )
-
-    # -- managed mode -----------------------------------------------------------------------------
-    managed: bool = Field(False, description="Run and supervise vLLM as a child process.")
-    model: str | None = Field(None, description="Model to serve in managed mode (path or hub id).")
-    vllm_command: str | None = Field(
-        None, description="Command that starts vLLM's API server; default: auto-detected."
-    )
-    vllm_port: int = Field(0, ge=0, le=65535, description="Private port for the managed vLLM (0: pick one).")
-    vllm_args: list[str] = Field(
-        default_factory=list, description="Extra arguments passed to vllm serve (after --)."
-    )
-    managed_engines: int | None = Field(
-        None, ge=1, le=64, description="vLLM engines to run and supervise in managed mode, each on its own port "
-        "(default: one per --engine-devices group, else 1). Each is supervised on its own; restarts roll."
-    )
-    engine_devices: str | None = Field(
-        None, description="Each managed engine's CUDA_VISIBLE_DEVICES, engines separated by ';' "
-        "(\"0;1\": one engine per GPU; \"0,1;2,3\": two engines of two GPUs each)."
-    )
-    restart_every: float | None = Field(
-        None, gt=0, json_schema_extra={"duration": True},
-        description="Restart the managed engines this often, one at a time while the others serve (a duration: "
-        "3600, 90m, 6h, 1d; off by default). The usual cure for slow memory creep.",
-    )
-    startup_timeout: float = Field(900.0, gt=0, description="Seconds the managed vLLM may take to be ready.")
-    hang_timeout: float = Field(
-        15.0, gt=0, description="Seconds without progress, while work runs, that count as a hang. Proxy mode: "
-        "the engine is refused and its requests cut until it moves again. Managed mode (default there "
-        f"{MANAGED_HANG_TIMEOUT:g}): seconds without generated tokens before the engine is restarted."
-    )
-    drain_timeout: float = Field(
-        30.0, ge=0, description="Seconds in-flight requests may finish before a restart cuts them."
-    )
-    max_restarts: int = Field(
-        10, ge=0, description="Restarts allowed within --restart-window before the gateway gives up."
-    )
-    restart_window: float = Field(600.0, gt=0, description="Window for --max-restarts, in seconds.")
-    autofit_attempts: int = Field(4, ge=0, description="Start-up auto-fit retries before giving up.")
-    fragmentation_growth_mib: int = Field(
-        2048, ge=0, description="Growth of vLLM's GPU memory past its post-start baseline that forces a restart."
-    )
-    preemption_storm: int = Field(
-        50, ge=0, description="Preemptions within a minute that count as a storm and force a restart (0: off)."
-    )
-
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
-
-    @field_validator("restart_every", mode="before")
-    @classmethod
-    def _duration(cls, v: Any) -> Any:
-        return parse_duration(v) if isinstance(v, str) else v
 
     @field_validator("upstream", mode="before")
     @classmethod

@@ -11,6 +11,8 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gateway.metrics_tenants import TenantMetrics
+
 # Token counts span 1 .. 128K+: powers of two give equal resolution per doubling.
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 19))  # 16 .. 262144
 # Tokenization runs from ~50 us (short chat) to ~50 ms (32K tokens).
@@ -29,7 +31,7 @@ ENGINE_STATES = (*UPSTREAM_STATES, "hung", "mismatched")
 RECENT_VALUES = 4096
 
 
-class Metrics:
+class Metrics(TenantMetrics):
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         # -- requests -----------------------------------------------------------------------------
@@ -202,39 +204,7 @@ class Metrics:
             "vllm_guard_cache_config_info", "1, labelled with the engine's KV block size and blocks, as "
             "vllm:cache_config_info.", ["block_size", "num_gpu_blocks"], registry=r,
         )
-        # -- tenants (label values: the keys file's tenants and "default" only) -------------------
-        self.tenant_requests = Counter(
-            "vllm_guard_tenant_requests_total", "Requests served, by tenant.", ["tenant"], registry=r
-        )
-        self.tenant_prompt_tokens = Counter(
-            "vllm_guard_tenant_prompt_tokens_total", "Prompt tokens of served requests, by tenant.", ["tenant"],
-            registry=r,
-        )
-        self.tenant_completion_tokens = Counter(
-            "vllm_guard_tenant_completion_tokens_total", "Tokens generated for served requests, by tenant.",
-            ["tenant"], registry=r,
-        )
-        self.tenant_queue_seconds = Counter(
-            "vllm_guard_tenant_queue_seconds_total", "Time served requests waited for admission, by tenant.",
-            ["tenant"], registry=r,
-        )
-        self.tenant_rejections = Counter(
-            "vllm_guard_tenant_rejections_total", "Requests refused, by tenant and reason.", ["tenant", "reason"],
-            registry=r,
-        )
-        self.tenant_limits_degraded = Gauge(
-            "vllm_guard_tenant_limits_degraded",
-            "1 while Redis (--redis-url) is unreachable and each replica enforces tenant limits alone.", registry=r,
-        )
-        self.tenant_headroom_blocks = Gauge(
-            "vllm_guard_tenant_headroom_blocks",
-            "KV blocks the other tenants' requests leave free for this tenant's recent demand (--tenant-headroom).",
-            ["tenant"], registry=r,
-        )
-        self.keys_reloads = Counter(
-            "vllm_guard_keys_file_reloads_total", "Reloads of the keys file, by outcome (ok, error).", ["outcome"],
-            registry=r,
-        )
+        self._declare_tenants(r)
         # -- recent values for the live page (not collectors) -------------------------------------
         self.recent_ttft: deque[float] = deque(maxlen=RECENT_VALUES)
         self.recent_queue_wait: deque[float] = deque(maxlen=RECENT_VALUES)
@@ -359,24 +329,6 @@ class Metrics:
         self.pool_kv_usage.set(kv_usage)
         self.cache_config_info.clear()  # one series: the capacity as it is now
         self.cache_config_info.labels(str(block_size), "" if num_gpu_blocks is None else str(num_gpu_blocks)).set(1)
-
-    def record_tenant_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int, queued: float) -> None:
-        self.tenant_requests.labels(tenant).inc()
-        self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
-        self.tenant_completion_tokens.labels(tenant).inc(completion_tokens)
-        self.tenant_queue_seconds.labels(tenant).inc(queued)
-
-    def record_tenant_rejection(self, tenant: str, reason: str) -> None:
-        self.tenant_rejections.labels(tenant, reason).inc()
-
-    def record_tenant_limits_degraded(self, degraded: bool) -> None:
-        self.tenant_limits_degraded.set(1 if degraded else 0)
-
-    def record_tenant_headroom(self, tenant: str, blocks: int) -> None:
-        self.tenant_headroom_blocks.labels(tenant).set(blocks)
-
-    def record_keys_reload(self, ok: bool) -> None:
-        self.keys_reloads.labels("ok" if ok else "error").inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

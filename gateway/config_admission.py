@@ -1,0 +1,74 @@
+"""Settings of KV admission: the budget, the policy, the queue, the engine's metrics (a part of ``Settings``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+AdmissionPolicyName = Literal["strict", "adaptive"]
+PrefixSharing = Literal["auto", "on", "off"]
+
+
+class AdmissionFields(BaseModel):
+    # -- KV admission -----------------------------------------------------------------------------
+    kv_target: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of the engine's KV blocks the gateway may commit; lower it when clients "
+        "bypass the gateway.",
+    )
+    kv_blocks: int | None = Field(
+        None, ge=1, description="Engine KV capacity in blocks, when the engine does not publish it."
+    )
+    kv_tokens: int | None = Field(
+        None, ge=1, description="Engine KV capacity in tokens (alternative to --kv-blocks)."
+    )
+    block_size: int | None = Field(None, ge=1, description="Engine KV block size in tokens, when unpublished.")
+    admission_policy: AdmissionPolicyName = Field(
+        "adaptive", description="strict: never commit past the ledger; adaptive: use live usage too."
+    )
+    prefix_sharing: PrefixSharing = Field(
+        "auto",
+        description="Book prompt blocks shared by requests in flight once, as vLLM's prefix cache holds them: auto "
+        "(when the engine reports enable_prefix_caching), on, or off.",
+    )
+    placement: Literal["prefix", "headroom"] = Field("prefix", description="Which of several engines that can take a "
+        "request gets it: prefix (the one holding or lately holding the longest prefix of its prompt, then the one "
+        "with the most free blocks) or headroom (the most free blocks only).")
+    max_queue: int = Field(256, ge=0, description="Requests allowed to wait for capacity; more get 429.")
+    queue_timeout: float = Field(
+        30.0, gt=0, description="Seconds a request may wait in the queue before a 503."
+    )
+    shed_early: Literal["on", "off"] = Field(
+        "on", description="on: a queued request forecast to wait past --queue-timeout (from the KV blocks waiting "
+        "ahead of it and the rate the engine frees blocks) is refused at once with 503 and that wait as "
+        "Retry-After; off: it waits until the timeout."
+    )
+    max_concurrency: int | None = Field(
+        None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."
+    )
+    starvation_bound: int = Field(
+        8, ge=0, description="How many smaller requests may pass a blocked larger one at the head of the queue."
+    )
+    fair_queueing: Literal["on", "off"] = Field(
+        "on", description="on: the queue serves tenants by weighted fair share of tokens served, priorities within "
+        "a tenant; off: one queue by priority, FIFO within a priority."
+    )
+    tenant_headroom: Literal["on", "off"] = Field(
+        "on", description="on (with fair queueing): while two or more tenants are active (sent a request in the last "
+        "30 s), a request leaves free the KV blocks each other one recently held and asked for, up to its weighted "
+        "fair share; off: a tenant may take every free block."
+    )
+    time_aware: Literal["on", "off"] = Field(
+        "off", description="on: strict also admits when the peak of the engine's usage over the coming steps fits the "
+        "budget, the streamed requests in flight ending in turn and the new one growing a token a step (not with "
+        "speculative decoding); off: every request in flight counts at its full size at once."
+    )
+    scrape_interval: float = Field(
+        0.25, gt=0, description="Seconds between scrapes of the engine's /metrics."
+    )
+    metrics_stale_after: float = Field(
+        2.0, gt=0, description="Engine metrics older than this are stale and only the ledger is trusted."
+    )

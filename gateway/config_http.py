@@ -1,0 +1,87 @@
+"""Settings of the HTTP edge: body, connection and header limits, timeouts towards the engine, request
+templates, upstream streams (a part of ``Settings``)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class HttpFields(BaseModel):
+    # -- HTTP limits and timeouts -----------------------------------------------------------------
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="Largest request body accepted; larger gets 413."
+    )
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to connect to the upstream.")
+    request_timeout: float = Field(
+        600.0, gt=0, description="Seconds an upstream request may take in total (streams included)."
+    )
+    read_timeout: float = Field(
+        300.0, gt=0, description="Seconds the upstream may stay silent (first byte or between chunks)."
+    )
+    upstream_connections: int = Field(
+        512, ge=1, description="Most pooled connections to the upstream."
+    )
+
+    # -- connection limits ------------------------------------------------------------------------
+    max_header_bytes: int = Field(
+        32 * 1024, ge=1024, description="Largest request line plus headers, in bytes; larger gets 431."
+    )
+    max_headers: int = Field(100, ge=1, description="Most headers in one request; more gets 431.")
+    header_timeout: float = Field(
+        10.0, gt=0, description="Seconds a request line and its headers may take from their first byte; "
+        "slower gets 408 and the connection is closed."
+    )
+    keep_alive_timeout: float = Field(
+        5.0, gt=0, description="Seconds a connection may stay idle (just opened, or after a response) before "
+        "it is closed."
+    )
+    max_connections: int = Field(
+        2048, ge=1, description="Most client connections open at once; one more gets 503 with Retry-After and "
+        "is closed."
+    )
+    body_timeout: float = Field(
+        30.0, gt=0, description="Seconds a request body may take to arrive in total; slower gets 408."
+    )
+    min_body_rate: float = Field(
+        1024.0, ge=0, description="Slowest request body accepted after --body-rate-grace, in bytes per second; "
+        "slower gets 408 (0: no minimum)."
+    )
+    body_rate_grace: float = Field(
+        5.0, ge=0, description="Seconds a request body may take before --min-body-rate applies."
+    )
+
+    # -- request templates ------------------------------------------------------------------------
+    trust_request_chat_template: bool = Field(
+        False,
+        description="Accept a chat_template sent in a request (as vLLM's flag of the same name; the engine "
+        "needs it too). Off: such requests get 400. On: the gateway renders them in a sandboxed worker "
+        "process bounded by the --request-template-* limits.",
+    )
+    request_template_timeout: float = Field(
+        1.0, gt=0, le=60, description="Seconds a request's chat_template may take to render; longer gets 400."
+    )
+    request_template_max_chars: int = Field(
+        4 * 1024 * 1024,
+        ge=1024,
+        description="Most characters a request's chat_template may render; more gets 400.",
+    )
+    request_template_memory_mib: int = Field(
+        512,
+        ge=64,
+        description="Memory (MiB of address space) a request template's render may add to its worker process; "
+        "more gets 400.",
+    )
+    request_template_workers: int = Field(
+        1,
+        ge=1,
+        le=32,
+        description="Worker processes rendering request templates; further renders queue for one.",
+    )
+
+    # -- upstream streams -------------------------------------------------------------------------
+    max_stream_event_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=64 * 1024,
+        description="Largest single server-sent event accepted from the upstream (streams are relayed one whole "
+        "event per write, so an event is held until its end); a larger one ends the stream with an error event.",
+    )
