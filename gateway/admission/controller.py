@@ -22,12 +22,12 @@ from functools import partial
 from typing import Any
 
 from gateway import errors
-from gateway.admission import refusals
+from gateway.admission import refusals, report
 from gateway.admission.forecast import Forecast
 from gateway.admission.gauges import LoadGauges
 from gateway.admission.headroom import Headroom
 from gateway.admission.ledger import Capacity, fit_output, too_large_message
-from gateway.admission.placement import Sites, total
+from gateway.admission.placement import Sites
 from gateway.admission.prefix import PromptPrefix
 from gateway.admission.queue import DeadlineTimer, Drain, WaitQueue
 from gateway.admission.reservation import Phase, Reservation
@@ -179,44 +179,10 @@ class Admission:
 
     def status(self) -> dict[str, Any]:
         """The state as ``/guard/status`` shows it (a JSON document). Reads only: changes nothing."""
-        known = self._sites.capacities()
-        cap = known[0][1] if known else None
-        budget = self._sites.budget_total() if known else None
-        loads = self._sites.loads()
-        projected = total(p for _, _, p, _ in loads)
-        primary = self._sites.primary
-        rate = self._drain.rate(self._clock())
-        mode = self._settings.prefix_sharing
-        return {
-            "policy": self._settings.admission_policy,
-            "paused": self._paused,
-            "held_engines": sorted(str(e) for e in self._sites.held),
-            "block_size": self._block_size,
-            "capacity_blocks": sum(c.blocks for _, c in known) if known else None,
-            "capacity_source": cap.source if cap else None,
-            "kv_target": self._settings.kv_target,
-            "budget_blocks": budget,
-            "committed_blocks": self.committed,
-            "prefix_sharing": self._sites.sharing_status(mode, self._sharing),
-            "foreign_sequences": sum(s.foreign for s in self._sites),
-            "live_used_blocks": total(live for _, live, _, _ in loads),
-            "projected_blocks": projected,
-            "time_aware": primary.policy.time_aware.status(primary.in_flight, self._queue.head(), self._block_size),
-            "admit_limit_blocks": total(limit for _, _, _, limit in loads) if known else None,
-            "in_flight": len(self._in_flight),
-            "max_concurrency": self._settings.max_concurrency,
-            "queued": len(self._queue),
-            "queued_by_priority": {str(p): c for p, c in sorted(self._queue.depth.items(), reverse=True)},
-            "fair_queueing": self._queue.fair, "tenants": self._headroom.annotate(self._queue.tenants(), budget),
-            "tenant_headroom": self._headroom.enabled,
-            "max_queue": self._settings.max_queue,
-            "optimism": round(self.optimism, 4),
-            "output_estimate_tokens": primary.projector.outputs.longest(),
-            "drain_rate_per_s": None if rate is None else round(rate, 3),
-            "forecast": self._forecast.status(),
-            "engine": self._sites.engine_kv.engine_status(),
-            "engines": self._sites.rows(mode, self._sharing),
-        }
+        return report.status_document(report.Parts(
+            self._settings, self._sites, self._queue, self._forecast, self._headroom, self._block_size,
+            self._sharing, self._paused, len(self._in_flight), self._drain.rate(self._clock()),
+        ))
 
     def publish(self) -> None:
         """Set every KV and queue gauge, and the engine's freshness, as of now: on each engine snapshot, on pause
