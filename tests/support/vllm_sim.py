@@ -40,6 +40,7 @@ from starlette.types import Receive, Scope, Send
 from .vllm_sim_dp import RANK_HEADER, DataParallelSimulator, RankOutOfRange, requested_rank
 from .vllm_sim_engine import VLLM_VERSION, Fault, Sequence, SimConfig, Simulator
 from .vllm_sim_text import ChatTemplateError, PromptCounter, chat_template_kwargs
+from .vllm_sim_types import lognormal_lengths
 from .vllm_sim_wire import (
     ChatBody,
     CompletionBody,
@@ -51,7 +52,8 @@ from .vllm_sim_wire import (
     full_body,
 )
 
-__all__ = ["DataParallelSimulator", "Fault", "SimConfig", "SimServer", "Simulator", "create_sim_app", "run_sim_server"]
+__all__ = ["DataParallelSimulator", "Fault", "SimConfig", "SimServer", "Simulator", "create_sim_app",
+           "lognormal_lengths", "run_sim_server"]
 
 AUTH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 MAX_N = 1024  # envs.VLLM_MAX_N_SEQUENCES
@@ -216,7 +218,8 @@ class _SimApp:
             return self.error(f"The prompt ({max(plan.prompts)} tokens) does not fit into the KV cache "
                               f"({self.sim.capacity_tokens} tokens).", param="input_tokens")
         for i, (ids, max_tokens) in enumerate(zip(plan.prompt_ids, plan.max_tokens, strict=True)):
-            target = self.sim.output_length(request_index, max_tokens, plan.ignore_eos)
+            target = self.sim.output_length(request_index, max_tokens, plan.ignore_eos, plan.min_tokens,
+                                            plan.eos_bias)
             run.seqs += self.sim.submit(ids, plan.n, max_tokens, target, run.on_token, first_index=i * plan.n,
                                         lora=plan.lora, cache_salt=plan.cache_salt, rank=rank)
         scope = request.scope
@@ -258,6 +261,24 @@ class _SimApp:
         lora = (model, self.config.lora_modules[model]) if model in self.config.lora_modules else None
         return {"lora": lora, "cache_salt": salt, "model": model if lora else self.config.model,
                 "prompt_details": self.config.enable_prompt_tokens_details}
+
+    def _length_asks(self, body: dict[str, Any], max_tokens: list[int]) -> dict[str, Any]:
+        """``Plan`` fields for the sampler's say on the length: ``min_tokens`` (checked as vLLM's
+        SamplingParams does, against the clamped max_tokens) and the ``logit_bias`` on EOS (clamped to
+        +-100 as vLLM does). Values of other types are left to the gateway's tests of pass-through."""
+        min_tokens = body.get("min_tokens")
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool):
+            min_tokens = 0
+        if min_tokens < 0:
+            raise _Rejected(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+        if min_tokens > min(max_tokens):
+            raise _Rejected(f"min_tokens must be less than or equal to max_tokens={min(max_tokens)}, "
+                            f"got {min_tokens}.")
+        bias = body.get("logit_bias")
+        eos = self.counter.eos_token_id
+        value = bias.get(str(eos)) if isinstance(bias, dict) else None
+        eos_bias = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+        return {"min_tokens": min_tokens, "eos_bias": min(100.0, max(-100.0, eos_bias))}
 
     def _check_n(self, n: int) -> None:
         if n < 1:
@@ -358,8 +379,10 @@ class _SimApp:
             raise _Rejected(str(exc)) from exc
         ids = self._prompt_ids(text, req.add_special_tokens)
         role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])
-        return Plan(True, self._request_id(request, "chatcmpl"), [len(ids)], [self._max_tokens(len(ids), requested)],
-                    n, bool(req.stream), include_usage, continuous, req.ignore_eos, role, [ids], **self._kv_keys(body))
+        max_tokens = [self._max_tokens(len(ids), requested)]
+        return Plan(True, self._request_id(request, "chatcmpl"), [len(ids)], max_tokens, n, bool(req.stream),
+                    include_usage, continuous, req.ignore_eos, role, [ids], **self._kv_keys(body),
+                    **self._length_asks(body, max_tokens))
 
     def _plan_completion(self, body: dict[str, Any], request: Request) -> Plan:
         if body.get("prompt") in (None, ""):
@@ -390,7 +413,8 @@ class _SimApp:
         counts = [len(ids) for ids in prompts]
         limits = [self._max_tokens(count, req.max_tokens) for count in counts]
         return Plan(False, self._request_id(request, "cmpl"), counts, limits, req.n, bool(req.stream),
-                    include_usage, continuous, req.ignore_eos, prompt_ids=prompts, **self._kv_keys(body))
+                    include_usage, continuous, req.ignore_eos, prompt_ids=prompts, **self._kv_keys(body),
+                    **self._length_asks(body, limits))
 
     # -- answering ------------------------------------------------------------------------------------
 

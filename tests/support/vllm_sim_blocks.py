@@ -248,12 +248,13 @@ class KvCache:
         """Blocks a running sequence must take to hold ``tokens`` tokens."""
         return _ceil_div(tokens, self.block_size) - len(seq.blocks)
 
-    def admit(self, seq: Seq) -> int | None:
+    def admit(self, seq: Seq, reserve: int = 0) -> int | None:
         """Give a waiting sequence its cached prefix and blocks for the rest, and return the tokens it found
-        cached; None (nothing changed) when the free blocks do not suffice."""
+        cached; None (nothing changed) when the free blocks do not suffice or would leave fewer than
+        ``reserve`` free."""
         tokens = seq.prompt_tokens + seq.generated
         hits = self.hits(seq, tokens)
-        if self.growth(seq, tokens) - len(hits) + self.pool.evictable(hits) > self.pool.free:
+        if self.growth(seq, tokens) - len(hits) + self.pool.evictable(hits) + reserve > self.pool.free:
             return None
         self.pool.touch(hits)
         found = len(hits) * self.block_size

@@ -15,6 +15,10 @@ configuration and sequences vllm_sim_types.py's.
   preempted by recompute: its blocks are freed (still cached), its generated tokens kept, and it goes back
   to the front of the waiting queue, counted in ``vllm:num_preemptions_total``. Resumed, it hits its own
   blocks unless they were evicted meanwhile.
+- ``SimConfig.watermark`` (vLLM's ``--watermark``): a waiting or preempted sequence is admitted beside running
+  ones only when its blocks leave ``watermark x num_blocks`` blocks free.
+- A request generates ``output_length`` tokens: ``max_tokens``, or fewer where EOS comes first
+  (``SimConfig.stop_early``, the request's ``min_tokens`` and ``logit_bias`` on EOS, as vLLM's sampler).
 - Generated tokens get ids no prompt has, unique to their sequence: only that sequence can hit them.
 - With ``prefix_caching`` off nothing is looked up or cached, so nothing is shared, siblings included.
 
@@ -39,6 +43,8 @@ from .vllm_sim_types import Fault, Prompt, Sequence, SimConfig
 
 VLLM_VERSION = "0.32.0"
 REQUESTS_SEEN_LIMIT = 1000
+# A logit bias on EOS at least this large (vLLM clamps biases to +-100) decides every draw of the tiny models.
+EOS_WINS = 10.0
 
 
 class RequestLog:
@@ -60,11 +66,25 @@ class RequestLog:
         self.request_count += 1
         return index
 
-    def output_length(self, request_index: int, max_tokens: int, ignore_eos: bool) -> int:
-        stop_early = self.config.stop_early
-        if stop_early is None or ignore_eos:
+    def output_length(self, request_index: int, max_tokens: int, ignore_eos: bool, min_tokens: int = 0,
+                      eos_bias: float = 0.0) -> int:
+        """How many tokens a request generates, its EOS (if any) being the last of them.
+
+        The model would draw EOS as token ``SimConfig.stop_early(index, max_tokens)`` (never, without it).
+        As in vLLM's sampler, ``ignore_eos`` never stops, EOS is masked for the first ``min_tokens`` tokens,
+        and a ``logit_bias`` on EOS of at least ``EOS_WINS`` makes it the first draw it is allowed in (a
+        random-weight model's logits are small: the benchmarks' ``min_tokens: L - 1`` with +100 gives L
+        tokens), one of at most -``EOS_WINS`` the last it is never drawn.
+        """
+        if ignore_eos or eos_bias <= -EOS_WINS:
             return max_tokens
-        return max(1, min(max_tokens, stop_early(request_index, max_tokens)))
+        if eos_bias >= EOS_WINS:
+            return min(max_tokens, min_tokens + 1)
+        stop_early = self.config.stop_early
+        if stop_early is None:
+            return max_tokens
+        drawn = stop_early(request_index, max_tokens)
+        return max(1, min(max_tokens, drawn if drawn > min_tokens else min_tokens + 1))
 
 
 class Simulator(RequestLog):
@@ -213,7 +233,8 @@ class Simulator(RequestLog):
             return False
         if len(self._running) + len(seqs) > cfg.max_num_seqs:
             return False
-        return self.kv.most_to_finish(seqs) <= self.kv.pool.free
+        reserve = self.watermark_blocks if self._running or len(seqs) > 1 else 0
+        return self.kv.most_to_finish(seqs) + reserve <= self.kv.pool.free
 
     def _finish_now(self, seqs: list[Sequence], now: float) -> None:
         # As the scheduler would: all admitted in one step (so siblings hit the first one's blocks), then
@@ -254,8 +275,14 @@ class Simulator(RequestLog):
 
     # -- blocks ---------------------------------------------------------------------------------------
 
-    def _admit(self, seq: Sequence) -> int | None:
-        found = self.kv.admit(seq)
+    @property
+    def watermark_blocks(self) -> int:
+        """Blocks ``--watermark`` keeps free: a waiting sequence is admitted beside running ones only if its
+        blocks leave that many free (``KVCacheManager.allocate_slots``)."""
+        return int(self.config.watermark * self.config.num_blocks)
+
+    def _admit(self, seq: Sequence, reserve: int = 0) -> int | None:
+        found = self.kv.admit(seq, reserve)
         if found is None or not self.kv.caching or seq.preemptions:
             return found  # vLLM's counters skip disabled lookups and those of resumed sequences
         tokens = seq.prompt_tokens + seq.generated
@@ -320,7 +347,7 @@ class Simulator(RequestLog):
         if not preempted:
             while self._waiting and len(self._running) < self.config.max_num_seqs:
                 seq = self._waiting[0]
-                found = self._admit(seq)
+                found = self._admit(seq, self.watermark_blocks if self._running else 0)
                 if found is None:
                     break
                 self._waiting.popleft()

@@ -21,6 +21,7 @@ import jinja2.nodes
 
 _PIECE = re.compile(r"\s*\S{1,4}")
 _FALLBACK_BOS = 1
+_FALLBACK_EOS = 2
 _FALLBACK_FIRST_ID = 16
 
 
@@ -76,6 +77,12 @@ class PromptCounter:
             kwargs.update(truncation=True, max_length=max_length)
         encoded: list[int] = self.tokenizer.encode(text, **kwargs)
         return encoded
+
+    @property
+    def eos_token_id(self) -> int:
+        """The id a ``logit_bias`` names to make answers end (the stand-in's: one no piece gets)."""
+        eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
+        return _FALLBACK_EOS if eos is None else int(eos)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

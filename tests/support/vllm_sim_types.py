@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -59,6 +61,19 @@ class SimConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     # --data-parallel-size: engine cores behind the one API server, each with num_blocks blocks of its own.
     data_parallel_size: int = 1
+    # --watermark: fraction of the blocks kept free when admitting beside running requests (0: off).
+    watermark: float = 0.0
+
+
+def lognormal_lengths(mean: float, sigma: float, seed: int = 0) -> Callable[[int, int], int]:
+    """A ``SimConfig.stop_early``: request ``index`` draws EOS as token L, L lognormal with this mean and
+    sigma (of the log), the same L for the same seed and index, so a run repeats."""
+    mu = math.log(mean) - sigma * sigma / 2
+
+    def length(index: int, max_tokens: int) -> int:
+        return max(1, round(random.Random(f"{seed}:{index}").lognormvariate(mu, sigma)))
+
+    return length
 
 
 @dataclass(eq=False)

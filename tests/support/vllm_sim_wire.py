@@ -85,6 +85,9 @@ class Plan:
     model: str = ""
     # --enable-prompt-tokens-details: usage carries prompt_tokens_details.
     prompt_details: bool = False
+    # What ends answers before max_tokens: EOS masked for min_tokens tokens, and the logit bias on EOS.
+    min_tokens: int = 0
+    eos_bias: float = 0.0
 
 
 def token_text(start: int, end: int) -> str:
