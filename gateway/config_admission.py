@@ -46,6 +46,15 @@ class AdmissionFields(BaseModel):
         "ahead of it and the rate the engine frees blocks) is refused at once with 503 and that wait as "
         "Retry-After; off: it waits until the timeout."
     )
+    preemption_budget: float = Field(
+        1.0, ge=0.0, description="Engine preemptions the adaptive policy allows per 100 completed requests: it books "
+        "requests at a quantile of the answers' real lengths and backs off towards the worst case while the engine "
+        "preempts past this (0: back off on any preemption)."
+    )
+    ttft_objective: float | None = Field(
+        None, gt=0, description="Seconds: a request forecast to get no first token within this is refused at once "
+        "(503 deadline), so that admitted requests stay within it under sustained overload; unset: off."
+    )
     max_concurrency: int | None = Field(
         None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."
     )

@@ -204,6 +204,14 @@ class Metrics(TenantMetrics):
             "vllm_guard_cache_config_info", "1, labelled with the engine's KV block size and blocks, as "
             "vllm:cache_config_info.", ["block_size", "num_gpu_blocks"], registry=r,
         )
+        self.booking_quantile = Gauge(
+            "vllm_guard_admission_booking_quantile", "Quantile of the answers' real lengths the adaptive policy "
+            "books requests at (1: the worst case, max_tokens), set by the preemption budget.", registry=r,
+        )
+        self.preemption_rate = Gauge(
+            "vllm_guard_engine_preemptions_per_100_requests", "Engine preemptions per 100 requests completed "
+            "over the last 30 s, as held against --preemption-budget.", registry=r,
+        )
         self._declare_tenants(r)
         # -- recent values for the live page (not collectors) -------------------------------------
         self.recent_ttft: deque[float] = deque(maxlen=RECENT_VALUES)
@@ -281,6 +289,10 @@ class Metrics(TenantMetrics):
         self.foreign_sequences.set(sequences)
         if preemptions > 0:
             self.foreign_preemptions.inc(preemptions)
+
+    def record_preemption_control(self, quantile: float, preemptions_per_100: float) -> None:
+        self.booking_quantile.set(quantile)
+        self.preemption_rate.set(preemptions_per_100)
 
     def record_queue_depth(self, depth_by_priority: dict[int, int]) -> None:
         self.queue_depth.clear()

@@ -128,14 +128,17 @@ class Admission:
     def reservation(
         self, *, prompt_tokens: int, max_tokens: int, n: int, priority: int, request_id: str,
         tenant: str = "default", weight: float = 1.0, prefix: PromptPrefix | None = None,
-        avoid: frozenset[str] = frozenset(),
+        avoid: frozenset[str] = frozenset(), family: str = "", deadline: float | None = None,
     ) -> Reservation:
-        """``avoid``: engines (by name) it must not go to while another can take it."""
+        """``avoid``: engines (by name) it must not go to while another can take it; ``family``: its served model
+        and route (whose answers' lengths it is booked from); ``deadline``: seconds it may wait at most, when the
+        client says fewer than ``--queue-timeout``."""
         self._capacity()  # settles the block size the need is counted in
         return Reservation(
             self, prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, priority=priority,
             request_id=request_id, block_size=self._block_size, clock=self._clock,
             checkpoint_spacing=self._checkpoint_spacing, tenant=tenant, weight=weight, prefix=prefix, avoid=avoid,
+            family=family, deadline=deadline,
         )
 
     def pause(self) -> None:
@@ -182,6 +185,7 @@ class Admission:
         return report.status_document(report.Parts(
             self._settings, self._sites, self._queue, self._forecast, self._headroom, self._block_size,
             self._sharing, self._paused, len(self._in_flight), self._drain.rate(self._clock()),
+            self._clock(),
         ))
 
     def publish(self) -> None:
@@ -236,10 +240,9 @@ class Admission:
             site.recent.add(r.keys)
             self._forecast.released(held - site.books.committed)
             self._headroom.release(r)
-            self._drain.note(self._clock())
-            output = r.completed_output
-            if output is not None:
-                site.projector.outputs.add(output)
+            now = self._clock()
+            self._drain.note(now)
+            site.projector.completed(r, r.completed_output, now)
             if not self._in_flight:
                 self._idle.set()
             self._pump()
@@ -356,6 +359,8 @@ class Admission:
         self._sites.follow_ranks(engine, new)
         blamed = sum(site.learn(old, new) for site in self._sites.of_engine(engine))
         self._metrics.record_foreign(sum(s.foreign for s in self._sites), blamed)
+        control = self._sites.primary.projector.optimism
+        self._metrics.record_preemption_control(control.quantile, control.rate(new.taken_at))
         self._pump()
         self.publish()
 

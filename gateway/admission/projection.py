@@ -14,37 +14,29 @@ not yet started) from being counted twice, once in live usage and once whole:
   progress (prompt blocks of each sequence plus the tokens generated). Only a request seen making progress
   shortly before the measurement is credited: one not yet scheduled, or preempted, is not in ``live_used``
   and gets no credit;
-- ``worst(r) = need(r) - credited(r)``; ``expected(r) = need of r with max_tokens lowered to
-  min(max_tokens, max(L, 2 x generated so far)) - credited(r)``, where ``L`` is the longest output per
-  sequence among the last 64 requests that completed (once 8 have);
-- ``growth(r) = worst(r) - o x (worst(r) - expected(r))``, with the optimism ``o`` in [0, 1].
+- ``worst(r) = need(r) - credited(r)``; ``expected(r) = need of r with max_tokens lowered to its expected output
+  (``lengths``: a quantile of the lengths longer than what it has generated so far) - credited(r)``;
+- ``growth(r) = min(worst(r), expected(r))``; the preemption controller (``budget``) sets the quantile, up to the
+  worst case (quantile 1: ``growth = worst``).
 
-``o`` starts at 1, is halved on every snapshot that shows new preemptions (to 0 below 1/16) and regains 0.02
-per second of snapshots without. At ``o = 0`` the projection is the ledger corrected by live usage: it admits
-past the ledger only as far as the engine really shares blocks.
+At the worst case the projection is the ledger corrected by live usage: it admits past the ledger only as far as
+the engine really shares blocks.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.admission.budget import PreemptionBudget
 from gateway.admission.ledger import blocks_in_use_at_least, own_blocks
-from gateway.engine.live import EngineSnapshot, counter_increase
+from gateway.admission.lengths import OutputLengths
+from gateway.engine.live import EngineSnapshot
 
 log = logging.getLogger(__name__)
-
-OUTPUT_WINDOW = 64  # completed requests remembered for the output-length estimate
-MIN_OUTPUT_SAMPLES = 8  # fewer than this: no estimate, the adaptive projection stays at the worst case
-BACKOFF = 0.5  # optimism factor kept on a snapshot with new preemptions
-OPTIMISM_FLOOR = 1.0 / 16  # below this the optimism drops to zero
-RECOVERY_PER_SECOND = 0.02  # optimism regained per second of snapshots without preemptions
-MAX_RECOVERY_STEP_SECONDS = 2.0  # a long gap between snapshots (outage) does not count as clean time
-
 
 class Booked(Protocol):
     """What the projection reads of an admitted request."""
@@ -67,6 +59,10 @@ class Booked(Protocol):
     def generated(self) -> int: ...
     @property
     def credited(self) -> int | None: ...
+    @property
+    def family(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
 
 
 class Creditable(Booked, Protocol):
@@ -78,64 +74,35 @@ class Creditable(Booked, Protocol):
 
 @dataclass(frozen=True)
 class Outlook:
-    """What the projection assumes of outputs: the optimism and the longest recent output per sequence."""
+    """What the projection assumes of outputs: the booking quantile (1: the worst case) and the lengths seen."""
 
-    optimism: float
-    longest: int | None
+    quantile: float
+    lengths: OutputLengths | None = None
 
-
-class OutputEstimate:
-    """The longest output per sequence among the last completed requests."""
-
-    def __init__(self) -> None:
-        self._outputs: deque[int] = deque(maxlen=OUTPUT_WINDOW)
-
-    def add(self, tokens_per_sequence: int) -> None:
-        self._outputs.append(tokens_per_sequence)
-
-    def longest(self) -> int | None:
-        if len(self._outputs) < MIN_OUTPUT_SAMPLES:
+    def expected_output(self, r: Booked) -> int | None:
+        """Output tokens per sequence ``r`` is expected to reach; None: its worst case."""
+        if self.quantile >= 1.0 or self.lengths is None:
             return None
-        return max(self._outputs)
-
-
-class Optimism:
-    """How far the projection trusts the output estimate: backs off on preemptions, recovers over clean time."""
-
-    def __init__(self) -> None:
-        self.value = 1.0
-        self._last_preemptions: float | None = None
-
-    def observe(self, preemptions_total: float | None, clean_seconds: float | None, *, blame: bool = True) -> float:
-        """Account one fresh snapshot; ``clean_seconds`` is the time since the previous good one (None if
-        there was none). Returns the preemptions new since the last snapshot. Without ``blame`` (traffic that
-        bypasses the gateway ran), new preemptions leave the optimism as it is: backing off would not stop them,
-        and would hold the gateway's own admissions down for as long as the recovery takes."""
-        increase = counter_increase(self._last_preemptions, preemptions_total)
-        if preemptions_total is not None:
-            self._last_preemptions = preemptions_total
-        if increase > 0 and not blame:
-            return increase
-        if increase > 0:
-            self.value *= BACKOFF
-            if self.value < OPTIMISM_FLOOR:
-                self.value = 0.0
-        elif clean_seconds is not None:
-            step = min(MAX_RECOVERY_STEP_SECONDS, max(0.0, clean_seconds))
-            self.value = min(1.0, self.value + RECOVERY_PER_SECOND * step)
-        return increase
+        per_sequence = math.ceil(r.generated / r.n)
+        return self.lengths.expected(r.family, r.tenant, r.max_tokens, per_sequence, self.quantile)
 
 
 class Projector:
     """What the adaptive policy learns from the engine and from completed requests, and projects with."""
 
-    def __init__(self, credit_window: float) -> None:
-        self.optimism = Optimism()
-        self.outputs = OutputEstimate()
+    def __init__(self, credit_window: float, budget: float = 1.0) -> None:
+        self.optimism = PreemptionBudget(budget)
+        self.outputs = OutputLengths()
         self._credit_window = credit_window
 
     def outlook(self) -> Outlook:
-        return Outlook(self.optimism.value, self.outputs.longest())
+        return Outlook(self.optimism.quantile, self.outputs)
+
+    def completed(self, r: Booked, output: int | None, at: float) -> None:
+        """``r`` ended at ``at``; ``output``: its output tokens per sequence when it ran to its end."""
+        self.optimism.completed(at)
+        if output is not None:
+            self.outputs.add(r.family, r.tenant, r.max_tokens, output)
 
     def observe(
         self, old: EngineSnapshot, new: EngineSnapshot, in_flight: Iterable[Creditable], *, foreign: bool = False
@@ -147,7 +114,10 @@ class Projector:
                 r.forget_credit()
             return 0.0
         clean = new.taken_at - old.taken_at if old.ok else None
-        increase = self.optimism.observe(new.preemptions_total, clean, blame=not foreign)
+        waiting = (new.waiting or 0) > 0
+        increase = self.optimism.observe(
+            new.preemptions_total, clean, at=new.taken_at, blame=not foreign, engine_waiting=waiting
+        )
         if increase > 0 and foreign:
             log.warning("engine reported %g new preemptions while traffic that bypasses the gateway ran; "
                         "admission optimism kept at %.3f", increase, self.optimism.value)
@@ -169,13 +139,11 @@ def growth(r: Booked, block_size: int, outlook: Outlook, *, use_credit: bool = T
             r.prompt_tokens, r.credited, r.n, block_size, r.shared_blocks
         )
     worst = max(0, r.blocks - credited)
-    if outlook.optimism <= 0.0 or outlook.longest is None:
+    expected_out = outlook.expected_output(r)
+    if expected_out is None:
         return worst
-    per_sequence = math.ceil(r.generated / r.n)
-    expected_out = min(r.max_tokens, max(outlook.longest, 2 * per_sequence))
     expected_own = own_blocks(r.prompt_tokens, expected_out, r.n, block_size, r.shared_blocks)
-    expected = max(0, r.prefix_blocks + expected_own - credited)
-    return worst - math.floor(outlook.optimism * max(0, worst - expected))
+    return min(worst, max(0, r.prefix_blocks + expected_own - credited))
 
 
 def project(

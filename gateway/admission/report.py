@@ -27,6 +27,7 @@ class Parts:
     paused: bool
     in_flight: int
     drain_rate: float | None
+    now: float
 
 
 def status_document(p: Parts) -> dict[str, Any]:
@@ -61,7 +62,8 @@ def status_document(p: Parts) -> dict[str, Any]:
         "tenant_headroom": p.headroom.enabled,
         "max_queue": s.max_queue,
         "optimism": round(min(site.projector.optimism.value for site in sites), 4),
-        "output_estimate_tokens": primary.projector.outputs.longest(),
+        "output_lengths": primary.projector.outputs.status(),
+        "preemption_budget": primary.projector.optimism.status(p.now),
         "drain_rate_per_s": None if p.drain_rate is None else round(p.drain_rate, 3),
         "forecast": p.forecast.status(),
         "engine": sites.engine_kv.engine_status(),

@@ -66,9 +66,11 @@ class Reservation:
         self, admitter: Admitter, *, prompt_tokens: int, max_tokens: int, n: int, priority: int,
         request_id: str, block_size: int, clock: Callable[[], float], checkpoint_spacing: float,
         tenant: str = "default", weight: float = 1.0, prefix: PromptPrefix | None = None,
-        avoid: frozenset[str] = frozenset(),
+        avoid: frozenset[str] = frozenset(), family: str = "", deadline: float | None = None,
     ) -> None:
         self._admitter = admitter
+        self.family = family  # served model and route: whose answers' lengths it is booked from (``lengths``)
+        self.deadline = deadline  # seconds from its arrival by which it must be admitted, when shorter than the queue's
         self.avoid = avoid  # engines not to place it on (one failed under it already)
         self.target: Target | None = None  # where it was placed, once admitted
         self._clock = clock

@@ -112,7 +112,7 @@ class Site:
         self.target = target
         self.kv = KvView(view, settings)
         self.books = Books()
-        self.projector = Projector(credit_window=2 * settings.scrape_interval)
+        self.projector = Projector(credit_window=2 * settings.scrape_interval, budget=settings.preemption_budget)
         self.policy = Policy(settings, self.kv, self.books, self.projector, headroom)
         self.in_flight: set[Reservation] = set()
         self.recent = RecentPrefixes()

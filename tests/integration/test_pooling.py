@@ -292,7 +292,7 @@ def test_a_batch_larger_than_the_kv_budget_runs_alone_and_a_prompt_larger_than_i
 def test_pooling_requests_never_teach_admission_how_long_outputs_are(gateway: GatewayServer) -> None:
     for _ in range(10):
         assert httpx.post(gateway.url + "/v1/embeddings", json={"input": "x"}, timeout=10).status_code == 200
-    assert gateway.status()["output_estimate_tokens"] is None
+    assert gateway.status()["output_lengths"] == {}
 
 
 @pytest.mark.parametrize(

@@ -6,15 +6,8 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from gateway.admission.projection import (
-    Optimism,
-    Outlook,
-    OutputEstimate,
-    Projector,
-    credited_progress,
-    growth,
-    project,
-)
+from gateway.admission.lengths import OutputLengths
+from gateway.admission.projection import Outlook, Projector, credited_progress, growth, project
 from gateway.engine.live import never_scraped
 from tests.unit.admission.rig import Rig, adaptive_rig_with_short_outputs, enter, release_all, settle, vllm_text
 
@@ -28,21 +21,21 @@ async def test_adaptive_admits_past_the_ledger_when_requests_stop_early(policy: 
     await settle()
     assert sum(r.admitted for r in extra) == admitted
     status = rig.adm.status()
-    assert status["output_estimate_tokens"] == 8 and status["live_used_blocks"] == 10
+    assert status["output_lengths"] == {"/<=256": 8} and status["live_used_blocks"] == 10
     if policy == "adaptive":
         assert rig.adm.committed == 150
         assert status["admit_limit_blocks"] > status["budget_blocks"] == 100
     await release_all(rig, running + extra, tasks)
 
 
-async def test_adaptive_backs_off_on_preemptions_and_recovers_additively() -> None:
+async def test_adaptive_backs_off_on_preemptions_past_the_budget_and_recovers_additively() -> None:
     rig, running = await adaptive_rig_with_short_outputs()
-    for preemptions in (1, 2, 3, 4, 5):
+    for preemptions in (1, 2, 3, 4, 5):  # a preemption a second, 8 requests completed: past 1 per 100
         for r in running:
             r.observe_output_tokens(8 + preemptions)
-        rig.clock.now += 0.1
+        rig.clock.now += 1.0
         await rig.scrape(0.20, preemptions=preemptions)
-    assert rig.adm.optimism == 0.0  # 1 -> 1/2 -> ... -> 1/32, below the floor
+    assert rig.adm.optimism == 0.0  # 1 -> 1/2 -> ... -> 1/32, below the floor: booked at the worst case
     extra = rig.req(10)
     task = enter(extra)
     await settle()
@@ -53,7 +46,7 @@ async def test_adaptive_backs_off_on_preemptions_and_recovers_additively() -> No
         for r in running:
             r.observe_output_tokens(16)
         await rig.scrape(0.20, preemptions=5)
-    assert rig.adm.optimism == pytest.approx(0.10)
+    assert rig.adm.optimism == pytest.approx(0.25)
     await release_all(rig, [*running, extra], [task])
 
 
@@ -127,6 +120,8 @@ class Booked:
     prefix_blocks: int = 0  # no prefix sharing: the projection as it was before sharing
     shared_blocks: int = 0
     keys: tuple[str, ...] = ()
+    family: str = "m/chat"
+    tenant: str = "default"
 
     def credit(self, taken_at: float, window: float) -> None:
         self.credits += 1
@@ -136,30 +131,48 @@ class Booked:
         self.credited = None
 
 
+def stopped_at(*lengths: int) -> OutputLengths:
+    """Answers of ``m/chat`` allowed 168 tokens that stopped at ``lengths``."""
+    seen = OutputLengths()
+    for tokens in lengths:
+        seen.add("m/chat", "default", 168, tokens)
+    return seen
+
+
+EIGHT = stopped_at(*[8] * 8)  # eight answers of 8 tokens
+SPREAD = stopped_at(4, 8, 8, 8, 40, 40, 40, 100, 100, 100)
+
+
 @pytest.mark.parametrize(
     ("booked", "outlook", "grows"),
     [
-        (Booked(), Outlook(1.0, None), 20),  # no estimate yet: the worst case
-        (Booked(), Outlook(0.0, 8), 20),  # no optimism: the worst case
-        (Booked(), Outlook(1.0, 8), 10),  # expected to stop after 8 tokens: ceil(160 / 16)
-        (Booked(), Outlook(0.5, 8), 15),  # halfway between: 20 - floor(0.5 x 10)
-        (Booked(generated=8), Outlook(1.0, 8), 11),  # 2 x 8 generated: 168 tokens, still 11 blocks
-        (Booked(generated=40), Outlook(1.0, 8), 15),  # 2 x 40 generated: 232 tokens
-        (Booked(generated=8, credited=8), Outlook(1.0, 8), 1),  # holds 10 already (152 + 8 tokens)
-        (Booked(generated=8, credited=8), Outlook(0.0, 8), 10),
+        (Booked(), Outlook(1.0, EIGHT), 20),  # quantile 1: the worst case
+        (Booked(), Outlook(0.7, None), 20),  # nothing learned: the worst case
+        (Booked(), Outlook(0.7, OutputLengths()), 13),  # no samples: a quarter of max_tokens, 42: ceil(194 / 16)
+        (Booked(), Outlook(0.7, EIGHT), 10),  # expected to stop after 8 tokens: ceil(160 / 16)
+        (Booked(), Outlook(0.5, SPREAD), 12),  # the median of 4..100: 40 tokens, ceil(192 / 16)
+        (Booked(), Outlook(0.9, SPREAD), 16),  # the 0.9 quantile: 100 tokens, ceil(252 / 16)
+        (Booked(generated=8), Outlook(0.7, EIGHT), 11),  # past every length seen: 2 x 8, 168 tokens
+        (Booked(generated=40), Outlook(0.7, EIGHT), 15),  # 2 x 40 generated: 232 tokens
+        (Booked(generated=8), Outlook(0.5, SPREAD), 12),  # past 8: the median of the 6 longer ones, 40
+        (Booked(generated=40), Outlook(0.5, SPREAD), 16),  # past 40: those of 100 are left
+        (Booked(generated=8, credited=8), Outlook(0.7, EIGHT), 1),  # holds 10 already (152 + 8 tokens)
+        (Booked(generated=8, credited=8), Outlook(1.0, EIGHT), 10),
     ],
 )
-def test_growth_goes_from_the_worst_case_to_the_expected_end(booked: Booked, outlook: Outlook, grows: int) -> None:
+def test_growth_is_the_expected_end_at_the_quantile_grown_past_what_was_generated(
+    booked: Booked, outlook: Outlook, grows: int
+) -> None:
     assert growth(booked, 16, outlook) == grows
 
 
 def test_growth_without_credit_is_the_expected_final_size() -> None:
     credited = Booked(generated=8, credited=8)
-    assert growth(credited, 16, Outlook(1.0, 8), use_credit=False) == 11
+    assert growth(credited, 16, Outlook(0.7, EIGHT), use_credit=False) == 11
 
 
 def test_the_projection_keeps_the_smaller_of_its_two_bounds() -> None:
-    outlook = Outlook(1.0, 8)
+    outlook = Outlook(0.7, EIGHT)
     progressing = [Booked(generated=8, credited=8) for _ in range(5)]
     unknown = [Booked(generated=8) for _ in range(5)]
     # Seen progressing: live usage plus one block each; ends at 5 x 11 = 55 together.
@@ -208,37 +221,6 @@ def test_credited_progress_is_the_newest_checkpoint_in_the_window_less_what_runs
     assert credited_progress([(1.0, 3)], 1.0, 1.0, 1) == 0
 
 
-def test_optimism_halves_on_preemptions_drops_to_zero_and_recovers_slowly() -> None:
-    optimism = Optimism()
-    assert optimism.observe(0.0, None) == 0 and optimism.value == 1.0
-    assert optimism.observe(2.0, 0.25) == 2.0 and optimism.value == 0.5
-    for total in (3.0, 4.0, 5.0):
-        optimism.observe(total, 0.25)
-    assert optimism.value == 1 / 16
-    optimism.observe(6.0, 0.25)
-    assert optimism.value == 0.0  # below the floor
-    optimism.observe(6.0, 1.0)
-    assert optimism.value == pytest.approx(0.02)
-    optimism.observe(6.0, 600.0)  # a long gap (an outage) counts as two seconds at most
-    assert optimism.value == pytest.approx(0.06)
-    optimism.observe(6.0, None)  # no previous good snapshot: no clean time
-    assert optimism.value == pytest.approx(0.06)
-    optimism.observe(1.0, 1.0)  # the counter restarted with the engine: one new preemption
-    assert optimism.value == 0.0  # halved below the floor
-
-
-def test_the_output_estimate_waits_for_eight_samples_and_remembers_sixty_four() -> None:
-    outputs = OutputEstimate()
-    for tokens in range(1, 8):
-        outputs.add(tokens)
-    assert outputs.longest() is None
-    outputs.add(100)
-    assert outputs.longest() == 100
-    for _ in range(64):
-        outputs.add(5)
-    assert outputs.longest() == 5
-
-
 def test_the_projector_credits_progress_on_good_snapshots_and_forgets_it_on_bad_ones() -> None:
     projector = Projector(credit_window=0.5)
     good = replace(never_scraped(1.0), ok=True, has_metrics=True, preemptions_total=0.0)
@@ -249,4 +231,4 @@ def test_the_projector_credits_progress_on_good_snapshots_and_forgets_it_on_bad_
     assert projector.optimism.value == 0.5
     projector.observe(good, never_scraped(3.0), running)
     assert running[0].credited is None and projector.optimism.value == 0.5
-    assert projector.outlook() == Outlook(0.5, None)
+    assert projector.outlook() == Outlook(0.85, projector.outputs)
