@@ -194,6 +194,47 @@ def restart_figure(
     return _save(fig, path)
 
 
+@dataclass(frozen=True)
+class TtftSeries:
+    """One target's requests over a run: when each was sent (s since the run started) and what came of it."""
+
+    label: str
+    sent: Sequence[float]  # answered requests
+    ttft: Sequence[float]  # their time to first token, s
+    refused: Sequence[float] = ()  # when refused requests were sent
+    timed_out: Sequence[float] = ()  # when requests the client gave up on were sent
+
+
+def ttft_figure(path: Path, title: str, series: Sequence[TtftSeries], objective: float | None = None,
+                timeout: float | None = None) -> Path:
+    """One row per target: each answered request's time to first token at the time it was sent; refusals
+    marked at the bottom, client timeouts at the client's timeout; the objective as a dashed line."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 1.2 + 1.9 * len(series)), dpi=DPI, layout="constrained")
+    fig.suptitle(title, fontsize=12)
+    axes_list = fig.subplots(len(series), 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    top = max([*(t for s in series for t in s.ttft), objective or 0.0, timeout or 0.0, 1.0])
+    for i, (axes, line) in enumerate(zip(axes_list, series, strict=True)):
+        colour = PALETTE[i % len(PALETTE)]
+        axes.scatter(line.sent, line.ttft, s=9, color=colour, label=f"answered ({len(line.ttft)})")
+        if line.refused:
+            axes.scatter(line.refused, [0.0] * len(line.refused), s=22, marker="x", color="black",
+                         label=f"refused ({len(line.refused)})")  # fmt: skip
+        if line.timed_out:
+            axes.scatter(line.timed_out, [timeout or top] * len(line.timed_out), s=22, marker="v", color="tab:red",
+                         label=f"client timed out ({len(line.timed_out)})")  # fmt: skip
+        if objective is not None:
+            axes.axhline(objective, color="grey", linestyle="--", linewidth=0.9, label=f"objective {objective:g} s")
+        axes.set_title(line.label, fontsize=10, loc="left")
+        axes.set_ylabel("TTFT (s)", fontsize=9)
+        axes.set_ylim(-0.03 * top, top * 1.08)
+        axes.grid(alpha=0.3)
+        axes.legend(loc="upper left", fontsize=8, ncol=4)
+    axes_list[-1].set_xlabel("time the request was sent, since the run started (s)")
+    return _save(fig, path)
+
+
 def _wrap(label: str) -> str:
     return label.replace(" (", "\n(")
 

@@ -1,0 +1,117 @@
+"""The clients of bench/realistic.py: each sends one run's planned chat streams at their arrival times and
+returns what it saw of each (``Outcome``).
+
+- ``aiohttp``: a light client, so that the client takes little of the machine's two cores; it sends
+  ``x-stainless-read-timeout`` as the OpenAI SDKs do;
+- ``sdk``: the OpenAI Python SDK (``max_retries=0``, so that a refusal is counted, not retried).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import aiohttp
+
+from bench.realistic_load import MAX_TOKENS, Outcome, Planned, length_body
+from tests.e2e.servers import SERVED_MODEL_NAME
+
+Send = Callable[[int, Planned, str, float], Coroutine[Any, Any, Outcome]]
+
+
+def chat_body(planned: Planned, text: str, eos_id: int) -> dict[str, Any]:
+    return {
+        "model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS,
+        "stream": True, "stream_options": {"include_usage": True}, **length_body(planned.length, eos_id),
+    }  # fmt: skip
+
+
+async def _aiohttp_one(session: aiohttp.ClientSession, url: str, body: dict[str, Any], read_timeout: float,
+                       planned: Planned, start: float) -> Outcome:
+    sent = time.monotonic()
+    ttft: float | None = None
+    tokens = 0
+    status: int | None = None
+    try:
+        async with session.post(url, json=body, headers={"x-stainless-read-timeout": f"{read_timeout:g}"}) as resp:
+            status = resp.status
+            if status != 200:
+                await resp.read()
+                return Outcome(planned.at, status, None, 0, time.monotonic() - start)
+            async for line in resp.content:
+                if not line.startswith(b"data: "):
+                    continue
+                if ttft is None:
+                    ttft = time.monotonic() - sent
+                data = line[6:].strip()
+                if data != b"[DONE]":
+                    usage = json.loads(data).get("usage")
+                    if usage:
+                        tokens = int(usage["completion_tokens"])
+    except (TimeoutError, aiohttp.ServerTimeoutError):
+        return Outcome(planned.at, status, ttft, 0, time.monotonic() - start, timed_out=True)
+    except (aiohttp.ClientError, ValueError, KeyError):
+        return Outcome(planned.at, None, ttft, 0, time.monotonic() - start)
+    return Outcome(planned.at, status, ttft, tokens, time.monotonic() - start)
+
+
+async def _dispatch(plans: Sequence[Planned], texts: Sequence[str], send: Send) -> list[Outcome]:
+    """Sends each planned request at its arrival time (not after the previous answer: an open loop)."""
+    start = time.monotonic()
+    tasks: list[asyncio.Task[Outcome]] = []
+    for i, (planned, text) in enumerate(zip(plans, texts, strict=True)):
+        delay = start + planned.at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(send(i, planned, text, start)))
+    return list(await asyncio.gather(*tasks))
+
+
+async def run_aiohttp(base: str, plans: Sequence[Planned], texts: Sequence[str], eos_id: int,
+                      read_timeout: float) -> list[Outcome]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_timeout)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        url = f"{base}/v1/chat/completions"
+
+        async def send(i: int, planned: Planned, text: str, start: float) -> Outcome:
+            return await _aiohttp_one(session, url, chat_body(planned, text, eos_id), read_timeout, planned, start)
+
+        return await _dispatch(plans, texts, send)
+
+
+async def run_sdk(base: str, plans: Sequence[Planned], texts: Sequence[str], eos_id: int,
+                  read_timeout: float) -> list[Outcome]:
+    import openai
+
+    # The SDK sends its timeout as x-stainless-read-timeout; its pool (1,000 connections) is no limit here.
+    async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                                  timeout=read_timeout) as client:
+
+        async def send(i: int, planned: Planned, text: str, start: float) -> Outcome:
+            sent = time.monotonic()
+            ttft: float | None = None
+            tokens = 0
+            try:
+                stream = await client.chat.completions.create(
+                    model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
+                    stream=True, stream_options={"include_usage": True}, extra_body=length_body(planned.length, eos_id),
+                )
+                async for chunk in stream:
+                    ttft = ttft if ttft is not None else time.monotonic() - sent
+                    if chunk.usage is not None:
+                        tokens = chunk.usage.completion_tokens
+            except openai.APITimeoutError:
+                return Outcome(planned.at, None, ttft, 0, time.monotonic() - start, timed_out=True)
+            except openai.APIStatusError as exc:
+                return Outcome(planned.at, exc.status_code, None, 0, time.monotonic() - start)
+            except openai.APIError:
+                return Outcome(planned.at, None, ttft, 0, time.monotonic() - start)
+            return Outcome(planned.at, 200, ttft, tokens, time.monotonic() - start)
+
+        return await _dispatch(plans, texts, send)
+
+
+CLIENTS = {"aiohttp": run_aiohttp, "sdk": run_sdk}

@@ -1,0 +1,135 @@
+"""The realistic benchmark's pure parts: its traffic, a run's figures, the ratios and the report's rows."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from bench import plots
+from bench.realistic_clients import run_aiohttp
+from bench.realistic_load import (
+    MAX_TOKENS,
+    WORDS,
+    Figures,
+    Outcome,
+    Planned,
+    capacity,
+    figures,
+    length_body,
+    lognormal_length,
+    median_ratios,
+    plan,
+    prompt,
+    table,
+)
+from gateway.tools.tinymodel import build_tokenizer
+from tests.support.vllm_sim import SimConfig, run_sim_server
+
+
+def test_arrivals_are_poisson_at_the_rate_and_repeat_per_seed() -> None:
+    planned = plan(4.0, 500.0, seed=7)
+    assert planned == plan(4.0, 500.0, seed=7) and planned != plan(4.0, 500.0, seed=8)
+    assert len(planned) / 500.0 == pytest.approx(4.0, rel=0.05)
+    gaps = [b.at - a.at for a, b in zip(planned, planned[1:], strict=False)]
+    # Exponential gaps: their standard deviation equals their mean.
+    assert statistics.pstdev(gaps) == pytest.approx(statistics.fmean(gaps), rel=0.1)
+    assert all(0 < p.at < 500.0 for p in planned)
+    assert all(150 <= p.words <= 400 for p in planned)
+
+
+def test_lengths_are_lognormal_around_200_and_within_max_tokens() -> None:
+    rng = random.Random(1)
+    lengths = [lognormal_length(rng) for _ in range(20_000)]
+    assert statistics.fmean(lengths) == pytest.approx(200, rel=0.04)
+    assert statistics.median(lengths) == pytest.approx(200 * math.exp(-0.32), rel=0.04)
+    assert 1 <= min(lengths) and max(lengths) <= MAX_TOKENS
+
+
+def test_every_target_gets_the_same_sizes_in_words_of_its_own() -> None:
+    planned = Planned(0.0, 200, 50)
+    texts = [prompt(planned, 3, seed=1, target=t) for t in range(4)]
+    assert all(len(t.split()) == 200 for t in texts)
+    assert len(set(texts)) == 4
+    assert texts[0] == prompt(planned, 3, seed=1, target=0)
+    # The first 128-token block of two targets' prompts differs: no prefix-cache hit across targets.
+    assert len({t.split()[:40].__repr__() for t in texts}) == 4
+
+
+def test_the_words_leave_room_for_the_answer_in_the_tiny_models_context(tmp_path: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path)))
+    longest = prompt(Planned(0.0, 400, 1), 0, seed=0, target=0)
+    assert all(len(tok.encode(" " + w, add_special_tokens=False)) <= 2 for w in WORDS)
+    assert len(tok.encode(longest, add_special_tokens=False)) + MAX_TOKENS + 32 <= 2048
+
+
+def test_the_length_body_makes_eos_the_lth_token() -> None:
+    assert length_body(200, 2) == {"min_tokens": 199, "logit_bias": {"2": 100}}
+
+
+def outcome(at: float, ttft: float | None, tokens: int = 100, status: int | None = 200, end: float = 10.0,
+            timed_out: bool = False) -> Outcome:
+    return Outcome(at, status, ttft, tokens, end, timed_out)
+
+
+def test_figures_count_goodput_refusals_and_timeouts() -> None:
+    outcomes = [
+        outcome(0.0, 1.0), outcome(1.0, 3.0), outcome(2.0, 7.0, end=20.0),  # 20 s wall; the last is too late
+        outcome(3.0, None, 0, 503), outcome(4.0, None, 0, 429),
+        outcome(5.0, None, 0, None, timed_out=True),
+        outcome(6.0, None, 0, 500),
+    ]
+    fig = figures(outcomes, objective=5.0, preemptions=3)
+    assert fig.tokens_per_s == pytest.approx(300 / 20)
+    assert fig.mean_ttft == pytest.approx(11 / 3)
+    assert fig.p99_ttft == 7.0
+    assert fig.goodput == pytest.approx(2 / 20)
+    assert (fig.completed, fig.within, fig.refused, fig.timeouts, fig.failed) == (3, 2, 2, 1, 1)
+    assert fig.preemptions == 3
+
+
+def run_of(tps: float, ttft: float, goodput: float) -> Figures:
+    return Figures(tps, ttft, ttft * 2, goodput, 10, 9, 0, 0, 0)
+
+
+def test_ratios_are_medians_of_per_run_ratios_not_ratios_of_medians() -> None:
+    runs = {
+        "direct": [run_of(100, 1.0, 1.0), run_of(50, 2.0, 1.0), run_of(200, 1.0, 2.0)],
+        "default": [run_of(110, 0.5, 1.0), run_of(40, 1.0, 2.0), run_of(220, 2.0, 2.0)],
+    }
+    ratios = median_ratios(runs, "default")
+    assert ratios["tokens_per_s"] == pytest.approx(1.1)  # of 1.1, 0.8, 1.1
+    assert ratios["mean_ttft"] == pytest.approx(0.5)  # of 0.5, 0.5, 2.0
+    assert ratios["goodput"] == pytest.approx(1.0)  # of 1.0, 2.0, 1.0
+    row = table("double", runs, ["direct", "default"]).splitlines()[1]
+    assert row.startswith("| double | default | 110 (1.10x) | 1.00 (0.50x) |")
+
+
+def test_capacity_is_the_highest_rate_under_the_bound_below_which_all_were() -> None:
+    assert capacity({0.5: 0.3, 1.0: 0.6, 2.0: 0.9, 3.0: 1.4, 4.0: 0.8}) == 2.0
+    assert capacity({1.0: 1.2}) is None
+
+
+async def test_the_client_sends_the_plan_and_reads_what_came_back() -> None:
+    # The simulator honours min_tokens and the bias on its stand-in EOS (id 2) as vLLM does.
+    async with run_sim_server(SimConfig(max_model_len=4096, num_blocks=512, block_size=16)) as server:
+        planned = [Planned(0.0, 20, 7), Planned(0.01, 30, 1), Planned(0.02, 10, 40)]
+        texts = [prompt(p, i, 0, 0) for i, p in enumerate(planned)]
+        outcomes = await run_aiohttp(server.url, planned, texts, eos_id=2, read_timeout=30.0)
+    assert [o.tokens for o in outcomes] == [7, 1, 40]
+    assert all(o.completed and o.ttft is not None and o.end >= o.at for o in outcomes)
+    seen = list(server.sim.requests_seen)
+    assert all(body["max_tokens"] == MAX_TOKENS for body in seen)
+
+
+def test_the_ttft_picture_is_a_png(tmp_path: Path) -> None:
+    if plots.unavailable():
+        pytest.skip(plots.unavailable() or "")
+    series = [plots.TtftSeries("direct", [0.0, 1.0], [0.2, 6.0], timed_out=[2.0]),
+              plots.TtftSeries("default", [0.0, 1.0], [0.2, 0.4], refused=[2.0])]
+    path = plots.ttft_figure(tmp_path / "t.png", "t", series, objective=5.0, timeout=30.0)
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
