@@ -147,6 +147,14 @@ class QueueTimeoutExpected(QueueTimeout):
     reason = "queue_timeout_expected"
 
 
+class DeadlineUnreachable(QueueTimeoutExpected):
+    """Forecast to get no first token before its own deadline (the client's timeout, ``x-guard-deadline-ms``,
+    ``--ttft-objective``): refused at once, never after waiting it out; or it reached that deadline queued."""
+
+    code = "deadline"
+    reason = "deadline"
+
+
 class UpstreamUnavailable(GatewayError):
     """The upstream cannot be reached, or is starting, restarting, draining or down."""
 

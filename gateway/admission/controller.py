@@ -23,6 +23,7 @@ from typing import Any
 
 from gateway import errors
 from gateway.admission import refusals, report
+from gateway.admission.deadlines import Deadlines
 from gateway.admission.forecast import Forecast
 from gateway.admission.gauges import LoadGauges
 from gateway.admission.headroom import Headroom
@@ -66,6 +67,7 @@ class Admission:
         self._idle.set()
         self._drain = Drain()
         self._forecast = Forecast(enabled=settings.shed_early == "on", timeout=settings.queue_timeout, clock=clock)
+        self._deadlines = Deadlines(settings.queue_timeout, settings.ttft_objective, clock)
         self._checkpoint_spacing = settings.scrape_interval / 4
         self._gauges = LoadGauges(metrics)
         on = settings.fair_queueing == "on" and settings.tenant_headroom == "on"
@@ -185,7 +187,7 @@ class Admission:
         return report.status_document(report.Parts(
             self._settings, self._sites, self._queue, self._forecast, self._headroom, self._block_size,
             self._sharing, self._paused, len(self._in_flight), self._drain.rate(self._clock()),
-            self._clock(),
+            self._clock(), self._deadlines.status(),
         ))
 
     def publish(self) -> None:
@@ -211,9 +213,13 @@ class Admission:
             r.reject()
             raise errors.KVBudgetExceeded(self._too_large_message(r, largest[0]))
         now = self._clock()
+        limit = r.wait_limit = self._deadlines.limit(r, len(self._in_flight))
+        if limit.seconds <= 0:  # the engine alone takes longer than its deadline to a first token
+            r.reject()
+            raise refusals.deadline_now(limit, self._drain.retry_after(len(self._queue), now))
         r.enqueue()
         self._headroom.arrive(r)
-        self._queue.push(r, now, now + self._settings.queue_timeout)
+        self._queue.push(r, now, now + limit.seconds)
         self._pump()
         if r.admitted:
             return
@@ -227,6 +233,9 @@ class Admission:
             # the blocks, so they go back at once.
             self.leave(r)
             raise
+
+    def first_token(self, r: Reservation, seconds: float) -> None:
+        self._deadlines.first_tokens.add(seconds)
 
     def leave(self, r: Reservation) -> None:
         """Give back ``r``'s blocks, or withdraw it from the queue (``Reservation.release``; idempotent)."""
@@ -277,8 +286,9 @@ class Admission:
                 self._admit(chosen, placed[chosen])
             if largest is not None and self._queue:  # refused now rather than at the deadline: forecast to wait
                 free = self._sites.budget_total() - self.committed
-                for late in self._forecast.late(self._queue.backlog(), free, len(self._in_flight)):
-                    self._fail(late.item, refusals.queue_timeout_expected(late, self._settings.queue_timeout))
+                backlog, span = self._queue.backlog(), refusals.span_of(self._settings.queue_timeout)
+                for late in self._forecast.late(backlog, free, len(self._in_flight), span):
+                    self._fail(late.item, refusals.expected_late(late, self._settings.queue_timeout))
         self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)
         self._gauges.publish_load(self._sites, self._queue.depth)
 
@@ -332,8 +342,8 @@ class Admission:
         for r in self._queue.expired(now):
             position, waited = self._queue.position(r), now - self._queue.enqueued_at(r)
             retry_after = self._drain.retry_after(position, now)
-            self._fail(r, refusals.queue_timeout(
-                waited, self._settings.queue_timeout, len(self._in_flight), len(self._queue), retry_after
+            self._fail(r, refusals.timed_out(
+                r, waited, self._settings.queue_timeout, len(self._in_flight), len(self._queue), retry_after
             ))
 
     # -- capacity and the live view ---------------------------------------------------------------

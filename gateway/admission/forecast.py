@@ -152,9 +152,14 @@ class Forecast:
             return None
         return max(0, blocks - free) / seen[0]
 
-    def late(self, backlog: Iterable[tuple[str, float, W, float]], free: int, in_flight: int) -> list[Late[W]]:
+    def late(
+        self, backlog: Iterable[tuple[str, float, W, float]], free: int, in_flight: int,
+        span: Callable[[W], float] | None = None,
+    ) -> list[Late[W]]:
         """The requests of ``backlog`` (``(lane, share, request, deadline)`` in each lane's order, as
-        ``WaitQueue.backlog`` gives them) that would miss their deadline even at the margin's faster rate."""
+        ``WaitQueue.backlog`` gives them) that would miss their deadline even at the margin's faster rate.
+        ``span``: how long a request may wait in all (its own deadline may be shorter than the queue timeout);
+        none is refused in the last ``LAST_SHARE`` of it."""
         seen = self.rate()
         if not self.enabled or seen is None or in_flight == 0:
             return []
@@ -169,7 +174,8 @@ class Forecast:
             through = math.ceil((blocks + item.blocks) / share)  # with other lanes' turns taken meanwhile
             need = max(0, through - free)
             time_left = deadline - now
-            if need > 0 and need / fast > time_left >= self._last_moments:
+            last_moments = self._last_moments if span is None else LAST_SHARE * span(item)
+            if need > 0 and need / fast > time_left >= last_moments:
                 position = math.ceil((count + 1) / share) - 1
                 found.append(Late(item, need / rate, time_left, position, through - item.blocks, rate, in_flight))
                 continue  # refused: it frees its place for those behind it

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from gateway import errors
+from gateway.admission.deadlines import WaitLimit
 from gateway.admission.forecast import Late
 from gateway.admission.queue import RETRY_AFTER_MAX, RETRY_AFTER_MIN
 
@@ -46,3 +48,54 @@ def queue_timeout_expected(late: Late[Any], timeout: float) -> errors.QueueTimeo
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+class _Limited(Protocol):
+    @property
+    def wait_limit(self) -> WaitLimit | None: ...
+
+
+def span_of(timeout: float) -> Callable[[_Limited], float]:
+    """How long a queued request may wait in all: its own limit, else the queue timeout."""
+    return lambda r: r.wait_limit.seconds if r.wait_limit is not None else timeout
+
+
+def expected_late(late: Late[Any], timeout: float) -> errors.QueueTimeoutExpected:
+    """A queued request forecast to miss its own deadline (``deadline``) or the queue timeout, refused at once."""
+    limit: WaitLimit | None = late.item.wait_limit
+    if limit is None or not limit.own:
+        return queue_timeout_expected(late, timeout)
+    return errors.DeadlineUnreachable(
+        f"Expected wait {late.expected_wait:.1f} s for KV capacity{_engine(limit)} misses the request's deadline, "
+        f"{late.time_left:.1f} s away (ahead of it: {_count(late.position, 'request')} needing "
+        f"{_count(late.blocks_ahead, 'KV block')}; {_count(late.in_flight, 'request')} in flight free "
+        f"{late.blocks_per_second:.1f} blocks/s); retry later.",
+        retry_after=min(RETRY_AFTER_MAX, max(RETRY_AFTER_MIN, late.expected_wait)),
+    )
+
+
+def timed_out(
+    r: _Limited, waited: float, timeout: float, in_flight: int, queued: int, retry_after: float
+) -> errors.QueueTimeout:
+    """A request reached the end of its wait in the queue: its own deadline, or the queue timeout."""
+    limit = r.wait_limit
+    if limit is None or not limit.own:
+        return queue_timeout(waited, timeout, in_flight, queued, retry_after)
+    return errors.DeadlineUnreachable(
+        f"Waited {waited:.1f} s for KV capacity: the request's deadline leaves no more{_engine(limit)} "
+        f"({in_flight} requests in flight, {queued} queued); retry later.",
+        retry_after=retry_after,
+    )
+
+
+def deadline_now(limit: WaitLimit, retry_after: float) -> errors.DeadlineUnreachable:
+    """A request whose deadline is nearer than the engine's own time to a first token: refused as it arrives."""
+    return errors.DeadlineUnreachable(
+        f"The engine takes {limit.engine_seconds:.1f} s to a first token now; the request's deadline is "
+        f"{limit.engine_seconds + limit.seconds:.1f} s away; retry later.",
+        retry_after=retry_after,
+    )
+
+
+def _engine(limit: WaitLimit) -> str:
+    return f" plus {limit.engine_seconds:.1f} s to a first token in the engine" if limit.engine_seconds else ""

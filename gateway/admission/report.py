@@ -28,6 +28,7 @@ class Parts:
     in_flight: int
     drain_rate: float | None
     now: float
+    deadlines: dict[str, float | None]
 
 
 def status_document(p: Parts) -> dict[str, Any]:
@@ -66,6 +67,7 @@ def status_document(p: Parts) -> dict[str, Any]:
         "preemption_budget": primary.projector.optimism.status(p.now),
         "drain_rate_per_s": None if p.drain_rate is None else round(p.drain_rate, 3),
         "forecast": p.forecast.status(),
+        "deadlines": p.deadlines,
         "engine": sites.engine_kv.engine_status(),
         "engines": sites.rows(mode, p.sharing),
     }

@@ -19,6 +19,7 @@ from types import TracebackType
 from typing import Protocol
 
 from gateway import errors
+from gateway.admission.deadlines import WaitLimit
 from gateway.admission.ledger import own_blocks, request_need
 from gateway.admission.prefix import BlockKey, PromptPrefix, block_keys
 from gateway.admission.projection import credited_progress
@@ -58,6 +59,9 @@ class Admitter(Protocol):
     def leave(self, reservation: Reservation) -> None:
         """Give back what ``reservation`` holds, or withdraw it from the queue (idempotent)."""
 
+    def first_token(self, reservation: Reservation, seconds: float) -> None:
+        """``reservation``'s first token was streamed ``seconds`` after its admission."""
+
 
 class Reservation:
     """One request's claim on KV blocks. Use as ``async with``; released exactly once on every path."""
@@ -70,7 +74,9 @@ class Reservation:
     ) -> None:
         self._admitter = admitter
         self.family = family  # served model and route: whose answers' lengths it is booked from (``lengths``)
-        self.deadline = deadline  # seconds from its arrival by which it must be admitted, when shorter than the queue's
+        self.deadline = deadline  # seconds its client gives it to a first token, when it says (``deadlines``)
+        self.wait_limit: WaitLimit | None = None  # how long it may wait in the queue, set as it enters
+        self._admitted_at: float | None = None
         self.avoid = avoid  # engines not to place it on (one failed under it already)
         self.target: Target | None = None  # where it was placed, once admitted
         self._clock = clock
@@ -189,9 +195,12 @@ class Reservation:
         """Completion tokens produced so far, summed over the ``n`` choices (streamed progress or final usage)."""
         if generated < self._generated:
             return
+        now = self._clock()
+        if self._generated == 0 and self._admitted_at is not None and 0 < generated <= self.n:
+            # A stream's first token (a whole answer reports all its tokens at once, and is no sample).
+            self._admitter.first_token(self, now - self._admitted_at)
         self._generated = generated
         self._observed = True
-        now = self._clock()
         if not self._checkpoints or now - self._checkpoints[-1][0] >= self._checkpoint_spacing:
             self._checkpoints.append((now, generated))
 
@@ -239,6 +248,7 @@ class Reservation:
 
     def admit(self, waited_seconds: float) -> None:
         self._move(Phase.ADMITTED, (Phase.QUEUED,))
+        self._admitted_at = self._clock()
         self.queue_ms = waited_seconds * 1000.0
         if self._future is not None and not self._future.done():
             self._future.set_result(None)

@@ -28,6 +28,7 @@ class RequestContext:
     prompt_policy: PromptOverflowPolicy = "reject"
     tenant: str = "default"  # from the caller's key (the keys file); "default" for every other caller
     tenant_weight: float = 1.0
+    deadline: float | None = None  # seconds the client gives it to a first token, when it says (``deadlines``)
     outcome: Outcome = field(init=False)
 
     def __post_init__(self) -> None:

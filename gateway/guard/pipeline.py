@@ -131,6 +131,7 @@ async def admit_and_exchange(
             prompt_tokens=booking.prompt_tokens, max_tokens=booking.max_tokens, n=booking.n,
             priority=ctx.priority, request_id=ctx.request_id, tenant=ctx.tenant, weight=ctx.tenant_weight,
             prefix=booking.prefix, avoid=avoid, family=f"{ctx.body.get('model')}/{ctx.route}",
+            deadline=ctx.deadline,
         )
         try:
             # May wait for the tenant's KV share and in the queue, or shed with QueueFull / QueueTimeout.
@@ -193,7 +194,9 @@ async def exchange_with_engine(
 
 # -- small stages ---------------------------------------------------------------------------------
 def record_refusal(parts: Parts, route: str, exc: GatewayError) -> None:
-    if exc.reason is not None and (exc.client_fault or exc.reason in ("queue_timeout", "queue_timeout_expected")):
+    if exc.reason is not None and (exc.client_fault or exc.reason in (
+        "queue_timeout", "queue_timeout_expected", "deadline",
+    )):
         parts.metrics.record_rejection(exc.reason)
     parts.metrics.record_request(route, "rejected" if exc.client_fault else "error")
 

@@ -4,6 +4,7 @@ overflow policy headers, and its body, parsed. The result is the guard's ``Reque
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import uuid
 
@@ -16,6 +17,8 @@ from gateway.guard.protocol import decode_json
 from gateway.http.auth import Caller, identify
 from gateway.http.body import BodyLimits, read_body
 
+# (header, seconds per unit, the most accepted in its units): a day at most, as ms and as seconds.
+_DEADLINE_HEADERS = (("x-guard-deadline-ms", 0.001, 86_400_000.0), ("x-stainless-read-timeout", 1.0, 86_400.0))
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 # Request ids: one random prefix per process plus a counter. uuid4() reads os.urandom, which was measured
@@ -29,6 +32,7 @@ async def read_context(settings: Settings, request: Request, rid: str, route: st
     body = decode_json(await read_body(request, BodyLimits.of(settings)))
     return RequestContext(
         rid, route, path, body, priority=priority(settings, request, caller.key, caller_priority(caller)),
+        deadline=deadline(request),
         prompt_policy=prompt_policy(request, settings), tenant=caller.tenant_name,
         tenant_weight=caller.tenant.weight if caller.tenant is not None else 1.0,
     )
@@ -58,6 +62,32 @@ def priority(settings: Settings, request: Request, key: str | None, default: int
         return int(raw)
     except ValueError:
         raise InvalidRequest(f"x-guard-priority must be an integer; got {raw!r}.", param="x-guard-priority") from None
+
+
+def deadline(request: Request) -> float | None:
+    """Seconds the client gives the request: the earlier of ``x-guard-deadline-ms`` and the OpenAI SDKs'
+    ``x-stainless-read-timeout`` (seconds; a client that gives up then gains nothing from a later first token).
+    A value that is not a positive number within bounds is a 400 naming the header."""
+    found = [
+        seconds for header, scale, most in _DEADLINE_HEADERS
+        if (seconds := _header_seconds(request, header, scale, most)) is not None
+    ]
+    return min(found, default=None)
+
+
+def _header_seconds(request: Request, header: str, scale: float, most: float) -> float | None:
+    raw = request.headers.get(header)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= most:  # NaN fails too
+        raise InvalidRequest(
+            f"{header} must be a number above 0 and at most {most:g}; got {raw[:32]!r}.", param=header
+        )
+    return value * scale
 
 
 def prompt_policy(request: Request, settings: Settings) -> PromptOverflowPolicy:

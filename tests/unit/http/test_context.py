@@ -8,7 +8,7 @@ from starlette.requests import Request
 
 from gateway.config import Settings
 from gateway.errors import InvalidRequest
-from gateway.http.context import priority, prompt_policy, request_id
+from gateway.http.context import deadline, priority, prompt_policy, request_id
 
 
 def request(**headers: str) -> Request:
@@ -64,3 +64,30 @@ def test_the_overflow_policy_comes_from_the_header_else_from_the_settings(
 def test_an_unknown_overflow_policy_is_a_clear_400() -> None:
     with pytest.raises(InvalidRequest, match="must be 'reject' or 'truncate'; got 'drop'"):
         prompt_policy(request(x_guard_on_overflow="drop"), Settings())
+
+
+@pytest.mark.parametrize(
+    ("headers", "seconds"),
+    [
+        ({}, None),
+        ({"x_stainless_read_timeout": "600"}, 600.0),  # the OpenAI SDKs' default, on every request
+        ({"x_stainless_read_timeout": "30.5"}, 30.5),
+        ({"x_guard_deadline_ms": "2500"}, 2.5),
+        ({"x_guard_deadline_ms": "2500", "x_stainless_read_timeout": "30"}, 2.5),  # the earlier of the two
+        ({"x_guard_deadline_ms": "60000", "x_stainless_read_timeout": "30"}, 30.0),
+    ],
+)
+def test_the_deadline_is_the_earliest_the_client_states(headers: dict[str, str], seconds: float | None) -> None:
+    assert deadline(request(**headers)) == seconds
+
+
+@pytest.mark.parametrize(
+    ("header", "raw"),
+    [("x-guard-deadline-ms", "soon"), ("x-guard-deadline-ms", "0"), ("x-guard-deadline-ms", "-5"),
+     ("x-guard-deadline-ms", "nan"), ("x-guard-deadline-ms", "inf"), ("x-guard-deadline-ms", "86400001"),
+     ("x-stainless-read-timeout", "abc"), ("x-stainless-read-timeout", "0"), ("x-stainless-read-timeout", "1e9")],
+)
+def test_a_deadline_header_out_of_bounds_is_a_400_naming_it(header: str, raw: str) -> None:
+    with pytest.raises(InvalidRequest, match=f"{header} must be a number above 0") as caught:
+        deadline(request(**{header.replace("-", "_"): raw}))
+    assert caught.value.param == header

@@ -1,0 +1,55 @@
+"""Deadlines through the real gateway in front of the vLLM simulator: a client's own deadline (x-guard-deadline-ms,
+or the OpenAI SDKs' x-stainless-read-timeout) shorter than --queue-timeout ends its wait with 503 deadline and a
+Retry-After; a bad deadline header is a 400 naming it; a queued request whose client has gone never reaches the
+engine (test_admission_flood's test_a_client_that_disconnects_while_queued_leaves_the_queue)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from tests.integration import test_admission_flood as flood_rig
+from tests.integration.test_admission_flood import HOLDER, QUEUE_RIG, WAITER, completion, held_reservation
+from tests.support.harness import GatewayServer
+from tests.support.vllm_sim import SimServer
+
+exits, make_sim, make_gateway = flood_rig.exits, flood_rig.make_sim, flood_rig.make_gateway
+
+
+@pytest.mark.parametrize(
+    ("headers", "deadline"),
+    [({"x-guard-deadline-ms": "400"}, 0.4), ({"x-stainless-read-timeout": "0.4"}, 0.4)],
+    ids=["x-guard-deadline-ms", "x-stainless-read-timeout"],
+)
+async def test_a_client_deadline_shorter_than_the_queue_timeout_ends_the_wait_with_503_deadline(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer], headers: dict[str, str],
+    deadline: float,
+) -> None:
+    sim = make_sim(**QUEUE_RIG)
+    gw = make_gateway(sim, admission_policy="strict", kv_target=1.0, queue_timeout=30.0)
+    async with httpx.AsyncClient(timeout=10.0) as client, held_reservation(client, gw, sim, *HOLDER):
+        seen = sim.sim.request_count
+        t0 = time.monotonic()
+        r = await client.post(gw.url + "/v1/completions", json=completion(*WAITER), headers=headers)
+        waited = time.monotonic() - t0
+        assert sim.sim.request_count == seen  # it never reached the engine
+    assert r.status_code == 503, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "deadline")
+    assert int(r.headers["retry-after"]) >= 1
+    assert deadline <= waited < 5.0  # its own deadline, not the 30 s queue timeout
+
+
+async def test_a_bad_deadline_header_is_a_400_naming_it(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
+) -> None:
+    gw = make_gateway(make_sim())
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        r = await client.post(gw.url + "/v1/completions", json=completion(16, 8),
+                              headers={"x-guard-deadline-ms": "soon"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "x-guard-deadline-ms")

@@ -1,0 +1,138 @@
+"""Deadlines: a request waits in the queue no longer than its own deadline (the client's, or the TTFT objective)
+less the engine's own time to a first token; one that cannot make it is refused at once with 503 deadline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway import errors
+from gateway.admission import Reservation
+from gateway.admission.deadlines import MIN_SAMPLES, WINDOW_SECONDS, Deadlines, FirstTokens
+from gateway.http.errors import error_headers, status_and_type
+from tests.unit.admission.rig import BS, Rig, enter, settle
+from tests.unit.admission.test_forecast_shed import finish, steady
+
+
+def deadlined(rig: Rig, blocks: int, deadline: float | None) -> Reservation:
+    return rig.adm.reservation(prompt_tokens=8, max_tokens=blocks * BS - 8, n=1, priority=0, request_id="d",
+                               deadline=deadline)
+
+
+async def streamed_first_tokens(rig: Rig, seconds: float, count: int = MIN_SAMPLES) -> list[Reservation]:
+    """``count`` requests in flight, each streaming its first token ``seconds`` after admission."""
+    running = [await rig.req(1).__aenter__() for _ in range(count)]
+    rig.clock.now += seconds
+    for r in running:
+        r.observe_output_tokens(0)  # the role-only first chunk: no token yet
+        r.observe_output_tokens(1)
+    return running
+
+
+def test_the_engine_time_to_a_first_token_is_a_high_quantile_of_the_window() -> None:
+    now = [0.0]
+    tokens = FirstTokens(lambda: now[0])
+    for s in (0.1, 0.2, 0.3):
+        tokens.add(s)
+    assert tokens.estimate() is None  # too few
+    for s in (0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 5.0):
+        tokens.add(s)
+    assert tokens.estimate() == 0.9
+    now[0] = WINDOW_SECONDS + 1
+    assert tokens.estimate() is None
+
+
+@pytest.mark.parametrize(
+    ("client", "objective", "in_flight", "seconds", "own"),
+    [
+        (None, None, 3, 30.0, False),  # the queue timeout
+        (60.0, None, 3, 30.0, False),  # a client more patient than the queue
+        (10.0, None, 3, 8.0, True),  # 10 s less the engine's 2 s
+        (10.0, None, 0, 10.0, True),  # an idle engine: its figure is not today's
+        (None, 5.0, 3, 3.0, True),  # the objective for everyone
+        (20.0, 5.0, 3, 3.0, True),
+        (1.5, None, 3, -0.5, True),  # the engine alone is too slow
+    ],
+)
+def test_the_wait_limit_is_the_earliest_deadline_less_the_engine_time(
+    client: float | None, objective: float | None, in_flight: int, seconds: float, own: bool
+) -> None:
+    deadlines = Deadlines(30.0, objective, lambda: 0.0)
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_tokens.add(2.0)
+
+    class Asked:
+        deadline = client
+
+    limit = deadlines.limit(Asked(), in_flight)
+    assert (limit.seconds, limit.own) == (pytest.approx(seconds), own)
+
+
+async def test_a_request_queued_past_its_own_deadline_gets_503_deadline() -> None:
+    rig = Rig(queue_timeout=30.0, shed_early="off")
+    holder = await rig.req(10).__aenter__()
+    waiting = deadlined(rig, 5, 2.0)
+    task = enter(waiting)
+    await settle()
+    assert rig.adm.queued == 1
+    rig.clock.now += 2.0
+    rig.adm.tick()
+    with pytest.raises(errors.DeadlineUnreachable) as caught:
+        await task
+    assert status_and_type(caught.value) == (503, "server_error") and caught.value.code == "deadline"
+    assert "retry-after" in error_headers(caught.value)
+    holder.release()
+    rig.assert_drained()
+
+
+async def test_a_request_whose_deadline_the_engine_alone_cannot_meet_is_refused_as_it_arrives() -> None:
+    rig = Rig(queue_timeout=30.0)
+    running = await streamed_first_tokens(rig, 3.0)
+    with pytest.raises(errors.DeadlineUnreachable, match=r"takes 3\.0 s to a first token") as caught:
+        await deadlined(rig, 1, 2.0).__aenter__()
+    assert caught.value.reason == "deadline" and caught.value.retry_after is not None
+    assert rig.adm.queued == 0
+    async with deadlined(rig, 1, 5.0) as r:  # 5 s leaves it 2 s: admitted at once
+        assert r.admitted
+    for r in running:
+        r.release()
+    rig.assert_drained()
+
+
+async def test_a_whole_answer_is_no_first_token_sample() -> None:
+    rig = Rig()
+    for _ in range(MIN_SAMPLES):
+        r = await rig.req(1).__aenter__()
+        rig.clock.now += 3.0
+        r.observe_output_tokens(40)
+        r.release()
+    assert rig.adm.status()["deadlines"]["engine_first_token_s"] is None
+
+
+async def test_the_forecast_refuses_at_once_a_request_that_would_miss_its_own_deadline() -> None:
+    rig = Rig(queue_timeout=30.0)
+    running, _, task = await steady(rig, 36)
+    # 5 blocks wait ahead of its 10 at 5 blocks/s: 3 s, past its 2 s (the queue's 30 s would have let it wait).
+    with pytest.raises(errors.DeadlineUnreachable, match="misses the request's deadline") as caught:
+        await deadlined(rig, 10, 2.0).__aenter__()
+    assert caught.value.retry_after == pytest.approx(3.0)
+    patient = enter(deadlined(rig, 10, 20.0))
+    await settle()
+    assert not patient.done() and rig.adm.queued == 2
+    patient.cancel()
+    await asyncio.gather(patient, return_exceptions=True)
+    await finish(rig, running, task)
+
+
+async def test_the_ttft_objective_sheds_only_what_would_miss_it() -> None:
+    rig = Rig(queue_timeout=30.0, ttft_objective=2.0)
+    running, _, task = await steady(rig, 36)  # each waited 1 s, within the objective
+    with pytest.raises(errors.DeadlineUnreachable):
+        await rig.req(10).__aenter__()
+    soon = enter(rig.req(1))  # 6 blocks to free: 1.2 s
+    await settle()
+    assert not soon.done()
+    soon.cancel()
+    await asyncio.gather(soon, return_exceptions=True)
+    await finish(rig, running, task)
