@@ -44,6 +44,14 @@ class InvalidRequest(GatewayError):
     reason = "invalid_request"
 
 
+class UnsupportedField(InvalidRequest):
+    """A request field that would make the engine run a prompt other than the one the gateway counted, or hold
+    blocks it did not book (``gateway.guard.fields`` says which and why); ``param`` names it."""
+
+    code = "unsupported_field"
+    reason = "unsupported_field"
+
+
 class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
     reason = "context_length"

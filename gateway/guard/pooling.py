@@ -20,7 +20,8 @@ protocols (``entrypoints/pooling/*/protocol.py``):
   ``padding: "max_length"`` pads each to the context; counts follow both. ``max_tokens_per_query`` and
   ``max_tokens_per_doc`` bound each text of a pair.
 
-Inputs the gateway cannot count (multimodal score inputs, plugin ``data``) are refused with a 400.
+Inputs the gateway cannot count (multimodal score inputs, plugin ``data``) are refused with a 400, and so are
+the fields ``fields`` refuses (every parser of ``PARSERS`` checks them first).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from gateway.config import PromptOverflowPolicy
 from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.guard import fields
 from gateway.guard.policy import Limits
 from gateway.guard.prompts import flag, is_ids, is_int, json_type
 from gateway.guard.protocol import model_field
@@ -87,12 +89,7 @@ def parse_embeddings(body: dict[str, Any]) -> PoolingRequest:
 
 
 def parse_pooling(body: dict[str, Any]) -> PoolingRequest:
-    if body.get("data") is not None and body.get("input") is None and body.get("messages") is None:
-        raise InvalidRequest(
-            "'data' (input for an IO processor plugin) is not supported through this gateway: only the plugin "
-            "knows its prompts, so the gateway cannot count them. Send 'input' or 'messages'.",
-            param="data",
-        )
+    # An IO processor plugin's 'data' is refused with the other fields (fields.TABLE).
     return _parse_encoding("pooling", body, batches=False)
 
 
@@ -119,12 +116,22 @@ def parse_rerank(body: dict[str, Any]) -> PoolingRequest:
     return _parse_pairs("rerank", body, "query", "documents")
 
 
+def _checked(route: PoolingRoute, parse: Callable[[dict[str, Any]], PoolingRequest]) -> Callable[
+    [dict[str, Any]], PoolingRequest
+]:
+    def parse_checked(body: dict[str, Any]) -> PoolingRequest:
+        fields.check(route, body)
+        return parse(body)
+
+    return parse_checked
+
+
 PARSERS: dict[str, Callable[[dict[str, Any]], PoolingRequest]] = {
-    "embeddings": parse_embeddings,
-    "pooling": parse_pooling,
-    "classify": parse_classify,
-    "score": parse_score,
-    "rerank": parse_rerank,
+    "embeddings": _checked("embeddings", parse_embeddings),
+    "pooling": _checked("pooling", parse_pooling),
+    "classify": _checked("classify", parse_classify),
+    "score": _checked("score", parse_score),
+    "rerank": _checked("rerank", parse_rerank),
 }
 
 

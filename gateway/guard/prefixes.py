@@ -3,7 +3,9 @@
 vLLM reads the prefix cache for a request unless it asks for prompt logprobs (``SamplingParams``:
 ``skip_reading_prefix_cache`` defaults to ``prompt_logprobs is not None``; the OpenAI protocols set
 ``prompt_logprobs`` from ``echo`` with ``logprobs`` / ``top_logprobs`` too), or it carries KV transfer parameters
-(disaggregated prefill): such a request computes its whole prompt into blocks of its own, and is booked whole.
+(disaggregated prefill, refused by ``fields``): such a request computes its whole prompt into blocks of its
+own, and is booked whole. So is a prompt the engine truncates (``truncate_prompt_tokens``): the tokens it keeps
+need not start with the prefix the gateway counted.
 Its block keys carry the LoRA adapter (served under its own model name) and a ``cache_salt``
 (``vllm/v1/core/kv_cache_utils.py: generate_block_hash_extra_keys``), so both go into the salt.
 """
@@ -29,7 +31,10 @@ def prompt_prefix(route: str, body: dict[str, Any], ids: Sequence[int] | None) -
 
 
 def reads_prefix_cache(route: str, body: dict[str, Any]) -> bool:
-    if body.get("prompt_logprobs") is not None or body.get("kv_transfer_params"):
+    # A truncated prompt keeps tokens that need not start with the prefix the gateway counted from.
+    if any(body.get(k) is not None for k in ("prompt_logprobs", "truncate_prompt_tokens")) or body.get(
+        "kv_transfer_params"
+    ):
         return False
     echo_field = _ECHO_LOGPROBS.get(route)
     return not (echo_field is not None and body.get("echo") and body.get(echo_field) is not None)

@@ -1,6 +1,7 @@
 """The OpenAI request shapes the gateway reads. Everything else in a body passes through untouched.
 
-Parsing checks only the fields the gateway acts on (types and sane ranges); the engine validates the rest
+Parsing checks only the fields the gateway acts on (types and sane ranges), and refuses the fields that
+would make the engine run something other than what was counted (``fields``); the engine validates the rest
 and its answer is relayed. The checks of the fields a prompt is made of are shared with counting (``prompts``).
 """
 
@@ -11,6 +12,7 @@ from typing import Any, Literal
 
 from gateway import jsonio
 from gateway.errors import InvalidRequest
+from gateway.guard import fields
 from gateway.guard.prompts import (
     Prompt,
     flag,
@@ -65,6 +67,7 @@ def decode_json(raw: bytes) -> dict[str, Any]:
 
 def parse_chat(body: dict[str, Any]) -> GuardedRequest:
     messages_of(body)
+    fields.check("chat", body)
     optional_list(body.get("tools"), "tools")
     optional_object(body.get("chat_template_kwargs"), "chat_template_kwargs")
     for name in ("add_generation_prompt", "continue_final_message"):
@@ -81,6 +84,7 @@ def parse_responses(body: dict[str, Any]) -> GuardedRequest:
     from gateway.guard import responses  # it uses this module's helpers
 
     responses.refuse_stateful(body)
+    fields.check("responses", body)
     conversation = responses.chat_request(body)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -95,6 +99,7 @@ def parse_responses(body: dict[str, Any]) -> GuardedRequest:
 
 
 def parse_completion(body: dict[str, Any]) -> GuardedRequest:
+    fields.check("completions", body)
     raw = body.get("prompt")
     prompts = [list(p) if isinstance(p, list) else p for p in prompt_list(raw)]
     kind: Literal["text", "texts", "ids", "ids_list"]
@@ -130,8 +135,8 @@ def set_max_tokens(req: GuardedRequest, value: int) -> None:
     if req.route == "responses":
         req.body["max_output_tokens"] = value
         return
-    fields = [f for f in ("max_completion_tokens", "max_tokens") if req.body.get(f) is not None]
-    for f in fields or ["max_tokens"]:
+    names = [f for f in ("max_completion_tokens", "max_tokens") if req.body.get(f) is not None]
+    for f in names or ["max_tokens"]:
         req.body[f] = value
 
 

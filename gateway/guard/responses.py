@@ -33,7 +33,7 @@ import json
 from typing import Any
 
 from gateway.config import PromptOverflowPolicy
-from gateway.errors import ContextLengthExceeded, InvalidRequest
+from gateway.errors import ContextLengthExceeded, InvalidRequest, UnsupportedField
 from gateway.guard.policy import Limits
 from gateway.guard.prompts import json_type
 
@@ -49,7 +49,7 @@ _NAMESPACE_SEPARATOR = "__"
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _CONTINUED = ("in_progress", "incomplete")
 
-# field -> why the gateway cannot count a request that uses it
+# field -> why the gateway cannot count a request that uses it (``fields`` refuses them with these reasons)
 STATEFUL_FIELDS: dict[str, str] = {
     "previous_response_id": "it continues a conversation stored in the engine, whose tokens the gateway "
     "cannot see; send the whole conversation in 'input' instead",
@@ -60,20 +60,19 @@ STATEFUL_FIELDS: dict[str, str] = {
     "previous_input_messages": "it carries engine-side (Harmony) message history, which the gateway cannot "
     "render; send the conversation in 'input' instead",
 }
+BACKGROUND = (
+    "a background response keeps generating after the request returns, beyond the KV blocks the gateway books "
+    "for it. Send it without 'background' (stream it if it is long)"
+)
 
 
 def refuse_stateful(body: dict[str, Any]) -> None:
     """400 for the fields whose tokens live outside the request (or whose generation outlives it)."""
     for name, why in STATEFUL_FIELDS.items():
         if body.get(name) is not None:
-            raise InvalidRequest(f"'{name}' is not supported through this gateway: {why}.", param=name)
+            raise UnsupportedField(f"'{name}' is not supported through this gateway: {why}.", param=name)
     if body.get("background"):
-        raise InvalidRequest(
-            "'background' is not supported through this gateway: a background response keeps generating after "
-            "the request returns, beyond the KV blocks the gateway books for it. Send it without 'background' "
-            "(stream it if it is long).",
-            param="background",
-        )
+        raise UnsupportedField(f"'background' is not supported through this gateway: {BACKGROUND}.", param="background")
 
 
 def check_fits(prompt_tokens: int, limits: Limits, policy: PromptOverflowPolicy) -> None:
@@ -132,8 +131,10 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
     effort = reasoning.get("effort") if reasoning is not None else None
     if effort is not None:
         chat["reasoning_effort"] = effort
-    if body.get("chat_template_kwargs") is not None:
-        chat["chat_template_kwargs"] = body["chat_template_kwargs"]
+    # The engine's /tokenize renders media with the same processor options (fields.py refuses them without media).
+    for key in ("chat_template_kwargs", "mm_processor_kwargs", "media_io_kwargs"):
+        if body.get(key) is not None:
+            chat[key] = body[key]
     return chat
 
 

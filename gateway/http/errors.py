@@ -32,6 +32,7 @@ from gateway.errors import (
     RequestTimeout,
     TenantRateLimited,
     TooManyConnections,
+    UnsupportedField,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 # Status and OpenAI type by error class; the most specific class listed wins (walked along the MRO).
 STATUS_AND_TYPE: dict[type[GatewayError], tuple[int, str]] = {
     InvalidRequest: (400, "invalid_request_error"),
+    UnsupportedField: (400, "invalid_request_error"),
     NotFound: (404, "invalid_request_error"),
     ModelNotFound: (404, "invalid_request_error"),
     MethodNotAllowed: (405, "invalid_request_error"),
