@@ -191,7 +191,10 @@ CHAT: dict[str, Rule] = {
 COMPLETIONS: dict[str, Rule] = {
     **_CHAT_COMPLETIONS_COMMON,
     "prompt": counted("tokenized (or taken as ids) and counted, one engine request per prompt"),
-    "suffix": harmless("vLLM refuses it (suffix is not supported)"),
+    "suffix": refused(
+        "a fill-in-the-middle model renders it around the prompt (vLLM's render_completion_suffix), text the "
+        "gateway does not count; other models refuse it anyway"
+    ),
     "prompt_embeds": refused(
         "embeddings are a prompt the gateway cannot count (and they may come beside 'prompt' as more prompts); "
         "send text or token ids in 'prompt'"

@@ -113,8 +113,6 @@ def parse_completion(body: dict[str, Any]) -> GuardedRequest:
         kind = "ids_list"
     else:  # vLLM takes a list of prompts of one shape only
         raise prompt_shape_error(raw)
-    if body.get("suffix") is not None and not isinstance(body.get("suffix"), str):
-        raise InvalidRequest("'suffix' must be a string.", param="suffix")
     return GuardedRequest(
         route="completions", body=body, model=model_field(body), stream=_stream(body), n=_n(body, "completions"),
         max_tokens=_max_tokens(body, ("max_tokens",)), prompts=prompts, prompt_kind=kind,

@@ -39,6 +39,7 @@ REFUSED: dict[str, tuple[Any, tuple[str, ...]]] = {
     "min_tokens": (500, (CHAT, COMPLETIONS)),
     "use_beam_search": (True, (CHAT, COMPLETIONS)),
     "prompt_embeds": ("AAAAAAAA", (COMPLETIONS,)),
+    "suffix": ("    return x\n" * 200, (COMPLETIONS,)),
     "previous_input_messages": ([{"role": "user", "content": "x"}], (RESPONSES,)),
     "prompt": ({"id": "pmpt_1"}, (RESPONSES,)),
     "instruction": ("Judge relevance. " * 100, ("/score", "/v1/rerank")),

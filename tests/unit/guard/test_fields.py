@@ -43,6 +43,7 @@ REFUSED: dict[str, tuple[Any, tuple[str, ...]]] = {
     "min_tokens": (9, ("chat", "completions")),
     "use_beam_search": (True, ("chat", "completions")),
     "prompt_embeds": ("AAAA", ("completions",)),
+    "suffix": ("def f(): return 1" * 100, ("completions",)),
     "previous_response_id": ("resp_1", ("responses",)),
     "previous_input_messages": ([{"role": "user", "content": "x"}], ("responses",)),
     "prompt": ({"id": "pmpt_1"}, ("responses",)),
