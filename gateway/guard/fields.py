@@ -222,7 +222,8 @@ RESPONSES: dict[str, Rule] = {
 }
 
 _POOLING_COMMON: dict[str, Rule] = {
-    "model": _MODEL, "user": _LABEL, "request_id": _REQUEST_ID, "priority": _PRIORITY, "cache_salt": _CACHE_SALT,
+    "model": _MODEL, "user": _LABEL, "request_id": _REQUEST_ID, "priority": _PRIORITY,
+    "cache_salt": harmless("keys the engine's prefix cache; pooling prompts are booked whole, never shared"),
     "truncate_prompt_tokens": counted("the gateway counts each prompt as the engine truncates it"),
     "truncation_side": _SIDE, "padding": counted("'max_length' pads each prompt to the context; counted so"),
     "mm_processor_kwargs": _MM_KWARGS, "use_activation": _POOL_OUTPUT,
