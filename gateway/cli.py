@@ -136,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(settings: Settings) -> int:
     from gateway.http.app import create_app
     from gateway.http.server import build_server
+    from gateway.observe.access_log import install_default_handler
     from gateway.redact import SecretRedactor, install_log_redaction
 
     logging.basicConfig(
@@ -144,9 +145,15 @@ def serve(settings: Settings) -> int:
     # Every record, from any logger (uvicorn's, vLLM's relayed lines), has its secrets replaced before it is
     # handled: the places that show URLs and keys redact them already; this catches what they miss.
     install_log_redaction(SecretRedactor.for_settings(settings))
+    # The access log on standard output, written by a thread of its own (stopped last: it writes what is queued).
+    access = install_default_handler(settings.access_log)
     server = build_server(create_app(settings), settings)
-    with contextlib.suppress(KeyboardInterrupt):
-        server.run()
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+    finally:
+        if access is not None:
+            access.stop()
     return 0 if server.started else 3
 
 

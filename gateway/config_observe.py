@@ -3,8 +3,16 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from typing import Literal
+
+from pydantic import BaseModel, Field
 
 
 class ObserveFields(BaseModel):
     """Tracing and the access log."""
+
+    access_log: Literal["text", "json", "off"] = Field(
+        "text",
+        description="One line per guarded request on the logger vllm_guard.access (standard output unless "
+        "logging routes it): key=value pairs (text), one JSON object (json), or none (off).",
+    )

@@ -205,6 +205,19 @@ class UpstreamError(GatewayError):
         self.upstream_retry_after = (headers or {}).get("retry-after")
 
 
+class EngineQueueFull(UpstreamError):
+    """vLLM's own waiting-queue cap (``--max-num-queued-reqs`` / ``--max-num-queued-tokens``, 0.29+) refused the
+    request: a 503 of the gateway's own with a ``Retry-After`` (vLLM sends none) and its own rejection reason.
+    An ``UpstreamError`` still, so a request it refused before any byte went out fails over to another engine."""
+
+    code = "engine_queue_full"
+    reason = "engine_queue_full"
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(503, message, type="server_error", param=None, code="engine_queue_full")
+        self.retry_after = retry_after
+
+
 # -- connection and protocol limits (the HTTP server answers these itself) ------------------------
 class RequestTimeout(InvalidRequest):
     """The request line, headers or body did not arrive in time."""

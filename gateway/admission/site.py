@@ -28,6 +28,7 @@ from gateway.admission.projection import Projector
 from gateway.admission.reservation import Reservation, Target
 from gateway.config import Settings
 from gateway.engine.live import EngineSnapshot, EngineView
+from gateway.engine.queue_cap import QueueCap
 
 RECENT_KEYS = 4096  # block keys of finished prompts remembered per site: affinity, not accounting
 
@@ -38,6 +39,7 @@ class RankView:
     def __init__(self, view: EngineView, rank: str) -> None:
         self._view = view
         self.rank = rank
+        self.queue_cap = view.queue_cap  # vLLM caps its queue per API server: every rank's together
 
     @property
     def snapshot(self) -> EngineSnapshot:
@@ -110,6 +112,8 @@ class Site:
         self, target: Target, view: SnapshotSource | None, settings: Settings, headroom: Any
     ) -> None:
         self.target = target
+        # vLLM's own queue cap refused a request here lately: full until it has room (engine/queue_cap.py)
+        self.queue_cap: QueueCap | None = getattr(view, "queue_cap", None)
         self.kv = KvView(view, settings)
         self.books = Books()
         self.projector = Projector(credit_window=2 * settings.scrape_interval, budget=settings.preemption_budget)
@@ -141,6 +145,8 @@ class Site:
         return max(self.books.held_prefix(r.keys), self.recent.prefix(r.keys))
 
     def fits(self, r: Reservation) -> bool:
+        if self.queue_cap is not None and self.queue_cap.full:
+            return False
         cap = self.capacity()
         budget = self.kv.budget(cap) if cap is not None else 0
         return self.policy.fits(r, cap, budget, self.in_flight)

@@ -17,6 +17,7 @@ from gateway.engine.client import Upstream
 from gateway.engine.live import EngineSnapshot, EngineView
 from gateway.engine.models import ServedModels
 from gateway.engine.progress import ProgressDetector
+from gateway.engine.queue_cap import QueueCap
 
 ModelsT = TypeVar("ModelsT", bound=ServedModels)
 
@@ -31,6 +32,8 @@ class Engine(Generic[ModelsT]):
     view: EngineView
     # Whether it makes progress while work runs (hung or not); judged only once started (proxy mode).
     progress: ProgressDetector = field(default_factory=ProgressDetector)
+    # Whether vLLM's own queue cap refuses requests now: the view's, which admission reads (assembly.py).
+    queue_cap: QueueCap = field(default_factory=QueueCap)
 
     @property
     def url(self) -> str:

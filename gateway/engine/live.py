@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from gateway.engine.queue_cap import QueueCap
 from gateway.engine.vllm_api import EngineMetrics, RankMetrics, parse_metrics
 from gateway.metrics import Metrics
 
@@ -43,6 +44,8 @@ class EngineSnapshot:
     prefix_cache_hits_total: float | None = None  # of those, tokens found
     prompt_tokens_total: float | None = None  # prefilled tokens, counted as each prefill completes (progress)
     ranks: Mapping[str, RankMetrics] = field(default_factory=dict)  # each data-parallel engine's own figures
+    # vLLM's own queue cap (0.29+): requests it refused, by reason (vllm:admission_rejections_total)
+    admission_rejections: Mapping[str, float] = field(default_factory=dict)
 
 
 def never_scraped(at: float) -> EngineSnapshot:
@@ -62,6 +65,7 @@ def snapshot_of(at: float, page: EngineMetrics) -> EngineSnapshot:
         prefix_cache_queries_total=page.prefix_cache_queries_total,
         prefix_cache_hits_total=page.prefix_cache_hits_total,
         prompt_tokens_total=page.prompt_tokens_total, ranks=page.ranks,
+        admission_rejections=page.admission_rejections,
     )
 
 
@@ -99,6 +103,7 @@ class EngineView:
         self._last_preemptions: float | None = None
         self._listeners: list[SnapshotListener] = []
         self._task: asyncio.Task[None] | None = None
+        self.queue_cap = QueueCap(clock)  # whether vLLM's own queue cap refuses requests now
 
     def on_snapshot(self, cb: SnapshotListener) -> None:
         self._listeners.append(cb)

@@ -15,7 +15,7 @@ from gateway.engine.client import UpstreamStream, decoder_for
 from gateway.engine.engine import Engine
 from gateway.engine.sse import SSEFramer, counts_as_token
 from gateway.engine.vllm_api import upstream_error_from
-from gateway.errors import BadUpstreamResponse, GatewayError, UpstreamHung
+from gateway.errors import BadUpstreamResponse, EngineQueueFull, GatewayError, UpstreamHung
 from gateway.guard.models import Models
 from gateway.guard.parts import Parts
 
@@ -49,7 +49,10 @@ async def open_upstream(
             payload = await stream.read_all()
         finally:
             close(parts, engine, stream)
-        raise upstream_error_from(stream.status, payload, stream.headers)
+        error = upstream_error_from(stream.status, payload, stream.headers)
+        if isinstance(error, EngineQueueFull):
+            engine.queue_cap.refused(error.retry_after or 0.0)  # nothing more placed on it for now
+        raise error
     return stream
 
 
@@ -57,6 +60,7 @@ def close(parts: Parts, engine: Engine[Models], stream: UpstreamStream) -> None:
     stream.close()
     parts.metrics.in_flight.dec()
     engine.progress.closed()
+    engine.queue_cap.room()  # a request left the engine: its own queue cap has a place again
 
 
 async def read_answer(

@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.admission.controller import Admission
+from gateway.admission.reservation import Reservation
 from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.guard.models import Models
 from gateway.metrics import Metrics
+from gateway.observe.access_log import AccessLog
 from gateway.observe.history import Sampler
 from gateway.tenants import Tenants
 
@@ -34,6 +36,10 @@ class Parts:
     # Managed mode with several engines: one supervisor per engine (the first is ``supervisor``), restarts rolling.
     supervisors: list[Supervisor] = field(default_factory=list)
     rolling: RollingRestarts | None = None  # managed mode: restarts asked for or scheduled
+    access_log: AccessLog = field(init=False)  # one line per guarded request (--access-log)
+
+    def __post_init__(self) -> None:
+        self.access_log = AccessLog(self.settings.access_log)
 
     def engine_at(self, index: int) -> Engine[Models]:
         """The engine a reservation was placed on (``Target.engine``)."""
@@ -70,6 +76,14 @@ class Outcome:
     queue_ms: float = 0.0
     ratelimit: dict[str, str] | None = None  # the tenant's x-ratelimit-* headers, when it has per-minute limits
     engine: str | None = None  # the engine it ran on, when the gateway guards several (or a data-parallel one)
+    # The reservation that learns what the engine generated: read live, since a stream's pipeline may be closed
+    # after the stream's end was written (None: the request generates nothing, or never reached the engine).
+    output: Reservation | None = None
+
+    @property
+    def completion_tokens(self) -> int | None:
+        """Tokens generated: the answer's usage, or a stream's events relayed so far."""
+        return self.output.generated if self.output is not None else None
 
     def headers(self) -> dict[str, str]:
         h = {

@@ -175,6 +175,7 @@ async def exchange_with_engine(
     if not booking.stream:
         learner = reservation if booking.learns_output else None
         payload = await exchange.read_answer(parts, engine, ctx.route, stream, learner)
+        ctx.outcome.output = learner
         # The engine is done with it: free the blocks before the answer is written to the client.
         reservation.release(completed=booking.learns_output)
         yield Reply(ctx.outcome.headers(), payload)
@@ -185,6 +186,7 @@ async def exchange_with_engine(
         exchange.close(parts, engine, stream)
         raise
     relay = exchange.EngineStream(parts, engine, ctx.route, stream, reservation)
+    ctx.outcome.output = reservation  # counts the stream's tokens as they are relayed
     try:
         headers = {**ctx.outcome.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"}
         yield Reply(headers, events=relay.events())
@@ -195,7 +197,7 @@ async def exchange_with_engine(
 # -- small stages ---------------------------------------------------------------------------------
 def record_refusal(parts: Parts, route: str, exc: GatewayError) -> None:
     if exc.reason is not None and (exc.client_fault or exc.reason in (
-        "queue_timeout", "queue_timeout_expected", "deadline",
+        "queue_timeout", "queue_timeout_expected", "deadline", "engine_queue_full",
     )):
         parts.metrics.record_rejection(exc.reason)
     parts.metrics.record_request(route, "rejected" if exc.client_fault else "error")

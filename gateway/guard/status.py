@@ -53,8 +53,17 @@ def engines_status(parts: Parts, rows: list[dict[str, Any]]) -> list[dict[str, A
     for row in rows:
         engine = parts.engine_at(row["engine"])
         state = engine_state_of(parts, row["engine"])
-        out.append({**row, "url": redact_url(engine.url), "state": state, "hung": engine.progress.hung})
+        out.append({
+            **row, "url": redact_url(engine.url), "state": state, "hung": engine.progress.hung,
+            "queue_cap": queue_cap_status(engine),
+        })
     return out
+
+
+def queue_cap_status(engine: Engine[Models]) -> dict[str, object]:
+    """vLLM's own queue cap on this engine: whether admission holds it as full now, the gateway's requests it
+    refused, and the refusals vLLM counts itself (``vllm:admission_rejections_total`` by reason, every client's)."""
+    return {**engine.queue_cap.status(), "engine_rejections_total": dict(engine.snapshot.admission_rejections)}
 
 
 def upstream_status(parts: Parts) -> UpstreamStatus:

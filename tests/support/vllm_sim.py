@@ -39,6 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from .vllm_sim_dp import RANK_HEADER, DataParallelSimulator, RankOutOfRange, requested_rank
 from .vllm_sim_engine import VLLM_VERSION, Fault, Sequence, SimConfig, Simulator
+from .vllm_sim_metrics import admission_rejections
 from .vllm_sim_text import ChatTemplateError, PromptCounter, chat_template_kwargs
 from .vllm_sim_types import lognormal_lengths
 from .vllm_sim_wire import (
@@ -135,6 +136,7 @@ class _SimApp:
         self.sim = sim
         self.config = sim.config
         self.counter = PromptCounter(sim.config.tokenizer)
+        self.admission_rejections = admission_rejections(sim._registry, sim.config.model)
 
     # -- errors ---------------------------------------------------------------------------------------
 
@@ -212,6 +214,8 @@ class _SimApp:
             rank = requested_rank(request.headers.get(RANK_HEADER), self.config.data_parallel_size)
         except RankOutOfRange as exc:
             return self._engine_refusal(str(exc), plan.stream)
+        if (refused := self._queue_cap(len(plan.prompts) * plan.n)) is not None:
+            return refused
         run = _Run(len(plan.prompts) * plan.n, plan.stream)
         if max(plan.prompts) >= self.sim.capacity_tokens:
             # Only reachable with a cache smaller than max_model_len, which vLLM refuses at start-up.
@@ -229,6 +233,17 @@ class _SimApp:
             # orjson rather than JSONResponse's json.dumps: this is the benchmark's hot path.
             return Response(orjson.dumps(full_body(plan, run.seqs, plan.model)), media_type="application/json")
         return _asgi(lambda receive, send: self._respond_when_done(receive, send, plan, run))
+
+    def _queue_cap(self, n: int) -> Response | None:
+        """vLLM's --max-num-queued-reqs (AsyncLLM.check_admission, before a stream starts): 503 when the
+        unfinished requests and these ``n`` would pass it, counted in vllm:admission_rejections_total."""
+        cap = self.config.max_num_queued_reqs
+        if cap is None or self.sim.running + self.sim.waiting + n <= cap:
+            return None
+        if self.admission_rejections is not None:
+            self.admission_rejections.labels(self.config.model, "max_num_queued_reqs").inc()
+        return self.error("The engine is currently busy and cannot accept new requests. Please try again later "
+                          "or on a different instance.", "Service Unavailable", 503)
 
     def _engine_refusal(self, message: str, stream: bool) -> Response:
         """An error the engine client raises while the response is produced: a 400, or once vLLM has begun a

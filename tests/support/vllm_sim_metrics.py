@@ -106,6 +106,18 @@ def _one_two_five_buckets(limit: int) -> tuple[float, ...]:
         exponent += 1
 
 
+def admission_rejections(registry: CollectorRegistry | None, model: str) -> Any:
+    """vLLM's ``vllm:admission_rejections_total{model_name, reason}`` (vllm/v1/metrics/loggers.py: every reason
+    published from the start); None under --disable-log-stats."""
+    if registry is None:
+        return None
+    counter = Counter("vllm:admission_rejections", "Number of admission attempts rejected by a queue limit, by "
+                      "reason.", ["model_name", "reason"], registry=registry)
+    for reason in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        counter.labels(model, reason)
+    return counter
+
+
 def _cache_config_info(config: SimConfig, rank: int) -> dict[str, str]:
     # The label set of vLLM 0.32's CacheConfig.metrics_info(), plus "engine"; every engine has its own cache.
     # num_blocks is what requests can hold; vLLM reports one more, the null block it keeps out of the pool, and

@@ -47,6 +47,8 @@ class SimConfig:
     reject_prompt_plus_max_tokens: bool = False
     disable_log_stats: bool = False
     max_num_seqs: int = 256
+    # --max-num-queued-reqs (vLLM 0.29+): unfinished requests beyond it are refused with vLLM's 503.
+    max_num_queued_reqs: int | None = None
     stop_early: Callable[[int, int], int] | None = None
     fault: Fault | None = None
     fault_delay: float = 1.0

@@ -3,6 +3,11 @@
 vLLM since 0.10.1 answers ``{"error": {"message", "type": "BadRequestError", "param", "code": 400}}``, before that
 the flat ``{"object": "error", "message", "type", "param", "code"}``; FastAPI answers ``{"detail": ...}`` and a
 proxy in between an HTML page. Each becomes an ``UpstreamError`` with an OpenAI error type.
+
+vLLM 0.29+ caps its own waiting queue (``--max-num-queued-reqs``, ``--max-num-queued-tokens``): over the cap it
+answers 503 ``{"error": {"message": <one of QUEUE_FULL_MESSAGES>, "type": "Service Unavailable", "code": 503}}``
+without a ``Retry-After`` (``vllm/exceptions.py``: ``QueueOverflowError``, ``MaxQueuedTokensError``; raised before
+a stream starts, ``vllm/entrypoints/generate/base/serving.py``). That becomes ``EngineQueueFull``.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import BadUpstreamResponse, UpstreamError
+from gateway.errors import BadUpstreamResponse, EngineQueueFull, UpstreamError
 
 # The error types OpenAI's API and SDKs know; anything else the upstream says (vLLM's "BadRequestError",
 # Starlette's "Method Not Allowed") is replaced by the one its status implies.
@@ -22,6 +27,14 @@ OPENAI_ERROR_TYPES = frozenset(
 )
 _TYPE_BY_STATUS = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 _HTML_TITLE = re.compile(rb"<title[^>]*>(.*?)</title>", re.IGNORECASE | re.DOTALL)
+# The starts of vLLM 0.32's two queue-cap messages: max_num_queued_reqs, max_num_queued_tokens.
+QUEUE_FULL_MESSAGES = (
+    "The engine is currently busy and cannot accept new requests",
+    "The engine has reached its prefill token backlog limit",
+)
+# vLLM sends no Retry-After with its queue cap: a second is about what a request of the tiny queue it caps takes
+# to leave it, and the gateway holds the engine as full for that long (``engine.queue_cap``).
+QUEUE_FULL_RETRY_AFTER = 1.0
 _RETRY_AFTER = re.compile(r"^(?:\d{1,9}|[A-Za-z]{3}, \d{2} [A-Za-z]{3} \d{4} \d{2}:\d{2}:\d{2} GMT)$")
 
 
@@ -63,6 +76,9 @@ def upstream_error_from(
         code = "model_not_found"
     retry_after = (headers or {}).get("retry-after") or (headers or {}).get("Retry-After") or ""
     retry_after = retry_after.strip()
+    if status == 503 and message.startswith(QUEUE_FULL_MESSAGES):
+        seconds = float(retry_after) if retry_after.isdigit() else QUEUE_FULL_RETRY_AFTER
+        return EngineQueueFull(message, retry_after=seconds)
     kept = {"retry-after": retry_after} if _RETRY_AFTER.match(retry_after) else None
     return UpstreamError(status, message, type=etype, param=param, code=code, headers=kept)
 

@@ -38,8 +38,9 @@ _SUMS: dict[str, tuple[str, ...]] = {
     "request_success_total": ("vllm:request_success_total", "vllm:request_success"),
     "prefix_cache_queries_total": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
     "prefix_cache_hits_total": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
-    "admission_rejections_total": ("vllm:admission_rejections_total",),
+    "admission_rejections_total": ("vllm:admission_rejections_total", "vllm:admission_rejections"),
 }
+_ADMISSION = _SUMS["admission_rejections_total"]
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 _READ = frozenset({*(n for names in _SUMS.values() for n in names), *_KV_USAGE, _CACHE_INFO, _WAITING_BY_REASON})
 # Only lines that start with a name read here reach the parser; a longer name sharing that start
@@ -76,6 +77,8 @@ class EngineMetrics:
     prefix_cache_queries_total: float | None = None  # tokens
     prefix_cache_hits_total: float | None = None  # tokens
     admission_rejections_total: float | None = None  # 0.29+, every reason together
+    # 0.29+, by reason: max_num_queued_reqs, max_num_queued_tokens (vllm/v1/metrics/loggers.py)
+    admission_rejections: Mapping[str, float] = field(default_factory=dict)
     block_size: int | None = None
     # One engine's (on a data-parallel page the engines' sum, as vLLM labels it: ``ranks`` has each engine's);
     # from kv_cache_size_tokens when vLLM gives only that.
@@ -107,6 +110,7 @@ def parse_metrics(text: str) -> EngineMetrics:
     whole = _Series()
     by_rank: dict[str, _Series] = {}
     by_reason: dict[str, float] = {}
+    rejections: dict[str, dict[str, float]] = {}  # by name, then reason: the first name present wins, as in _SUMS
     seen = False
     for sample in _samples(line for line in text.splitlines() if line.startswith(_PREFIXES)):
         if sample.name not in _READ:
@@ -118,6 +122,10 @@ def parse_metrics(text: str) -> EngineMetrics:
             reason = sample.labels.get("reason", "")
             by_reason[reason] = by_reason.get(reason, 0.0) + sample.value
             continue
+        if sample.name in _ADMISSION:
+            by_name = rejections.setdefault(sample.name, {})
+            reason = sample.labels.get("reason", "")
+            by_name[reason] = by_name.get(reason, 0.0) + sample.value
         whole.add(sample)
         if (rank := sample.labels.get("engine")) is not None:
             by_rank.setdefault(rank, _Series()).add(sample)
@@ -137,6 +145,7 @@ def parse_metrics(text: str) -> EngineMetrics:
         prefix_cache_queries_total=total["prefix_cache_queries_total"],
         prefix_cache_hits_total=total["prefix_cache_hits_total"],
         admission_rejections_total=total["admission_rejections_total"],
+        admission_rejections=next((rejections[n] for n in _ADMISSION if n in rejections), {}),
         block_size=cache.block_size,
         num_gpu_blocks=cache.num_gpu_blocks,
         kv_cache_size_tokens=cache.kv_cache_size_tokens,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+import orjson
 import pytest
 
 from gateway.engine.vllm_api import (
@@ -16,7 +17,8 @@ from gateway.engine.vllm_api import (
     parse_version,
     upstream_error_from,
 )
-from gateway.errors import BadUpstreamResponse, UpstreamError
+from gateway.engine.vllm_api.errors import QUEUE_FULL_RETRY_AFTER
+from gateway.errors import BadUpstreamResponse, EngineQueueFull, UpstreamError
 from tests.support.paths import FIXTURES as ALL_FIXTURES
 
 FIXTURES = ALL_FIXTURES / "vllm"
@@ -57,6 +59,7 @@ PAGES: dict[str, dict[str, Any]] = {
         "waiting_by_reason": {"capacity": 3, "deferred": 1}, "preemptions_total": 22.0,
         "prompt_tokens_total": 30000.0, "generation_tokens_total": 800.0, "request_success_total": 24.0,
         "prefix_cache_queries_total": 5200.0, "prefix_cache_hits_total": 1280.0, "admission_rejections_total": 9.0,
+        "admission_rejections": {"max_num_queued_reqs": 7.0, "max_num_queued_tokens": 2.0},
         "block_size": 128, "num_gpu_blocks": 32, "kv_cache_size_tokens": 4096, "prefix_caching": True, "engines": 1,
     },
 }
@@ -202,3 +205,33 @@ def test_each_error_shape_reads_into_an_openai_error(
 
 def test_an_answer_that_is_no_error_is_a_bad_upstream_response() -> None:
     assert isinstance(upstream_error_from(302, b""), BadUpstreamResponse)
+
+
+# vLLM 0.32's queue-cap answers, as vllm/entrypoints/serve/exception_handling/error_response.py words them.
+QUEUE_CAP_ANSWERS = [
+    ("max_num_queued_reqs", "The engine is currently busy and cannot accept new requests. Please try again later or "
+     "on a different instance."),
+    ("max_num_queued_tokens", "The engine has reached its prefill token backlog limit. Please try again later or on "
+     "a different instance."),
+]
+
+
+@pytest.mark.parametrize(("reason", "message"), QUEUE_CAP_ANSWERS, ids=[a[0] for a in QUEUE_CAP_ANSWERS])
+def test_vllms_queue_cap_503_becomes_the_gateways_own_refusal_with_a_retry_after(reason: str, message: str) -> None:
+    body = orjson.dumps({"error": {"message": message, "type": "Service Unavailable", "param": None, "code": 503}})
+    err = upstream_error_from(503, body)
+    assert isinstance(err, EngineQueueFull)
+    assert (err.status, err.type, err.code) == (503, "server_error", "engine_queue_full")
+    assert err.reason == "engine_queue_full"
+    assert err.retry_after == QUEUE_FULL_RETRY_AFTER and err.message == message
+
+
+def test_a_queue_cap_503_keeps_a_retry_after_the_engine_sent() -> None:
+    body = orjson.dumps({"error": {"message": QUEUE_CAP_ANSWERS[0][1], "type": "Service Unavailable", "code": 503}})
+    err = upstream_error_from(503, body, {"retry-after": "4"})
+    assert isinstance(err, EngineQueueFull) and err.retry_after == 4.0
+
+
+def test_another_503_is_relayed_as_the_engine_said_it() -> None:
+    body = orjson.dumps({"error": {"message": "queue full", "type": "ServiceUnavailableError", "code": 503}})
+    assert not isinstance(upstream_error_from(503, body), EngineQueueFull)

@@ -1,0 +1,138 @@
+"""The access log: one line per guarded request, in a form log pipelines parse (``--access-log text|json|off``).
+
+Each line is one ``AccessRecord`` with the same keys in the same order (``FIELDS``): ``json`` writes one JSON
+object per line, ``text`` ``key=value`` pairs (logfmt: a value with a space, a quote, ``=`` or a control
+character is double-quoted with backslash escapes; an unknown value is empty). Lines go through Python logging
+on their own logger, ``vllm_guard.access``, so that operators route them like any other log; the process-wide
+redaction (``gateway/redact.py``) applies to them as to every record. Nothing here knows who the caller is
+beyond its tenant's name: a key never reaches a record.
+
+Unless logging already routes that logger, ``install_default_handler`` writes it to standard output through a
+queue: the request path only puts the record on the queue, and a thread writes it, so a slow reader of the
+gateway's output (a full pipe to a log shipper) never holds the event loop. Measured on the 2-core test machine,
+10,000 records: the queued handler 9-12 us a record on the loop, a plain stream handler to a pipe 14-18 us, and
+the stream handler stalls the loop for as long as the pipe is full.
+"""
+
+from __future__ import annotations
+
+import logging
+import logging.handlers
+import queue
+import sys
+import time
+from dataclasses import dataclass
+from typing import IO, Literal
+
+import orjson
+
+LOGGER_NAME = "vllm_guard.access"
+AccessLogFormat = Literal["text", "json", "off"]
+
+
+@dataclass(slots=True)
+class AccessRecord:
+    """What the gateway knows of one request once it has ended. ``None``: not known (a request refused before
+    it was counted has no prompt tokens; only a stream has a time to its first event)."""
+
+    time: float  # when the request arrived, seconds since the epoch
+    request_id: str
+    tenant: str | None  # the tenant's name from the keys file; never the key
+    route: str
+    model: str | None
+    status: int  # the HTTP status answered (499: the client went away before the answer)
+    outcome: str  # ok, refused (the client's doing or a limit), error (ours or the engine's), cancelled
+    reason: str | None  # the refusal or failure reason, as vllm_guard_rejections_total counts it
+    prompt_tokens: int | None
+    max_tokens_asked: int | None  # as the client sent it (max_tokens, max_completion_tokens, max_output_tokens)
+    max_tokens: int | None  # as sent to the engine (clamped)
+    truncated_tokens: int | None
+    queue_ms: float | None
+    engine: str | None
+    ttft_ms: float | None  # streams: arrival to the first event written to the client
+    duration_ms: float  # arrival to the end of the answer
+    completion_tokens: int | None
+    trace_id: str | None
+
+
+FIELDS = tuple(AccessRecord.__dataclass_fields__)
+
+
+def iso_time(epoch: float) -> str:
+    """UTC, milliseconds: ``2026-11-26T14:05:09.123Z``."""
+    seconds = int(epoch)
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(seconds))}.{int((epoch - seconds) * 1000):03d}Z"
+
+
+_MS = ("queue_ms", "ttft_ms", "duration_ms")
+
+
+def _values(record: AccessRecord) -> dict[str, object]:
+    # Field by field rather than dataclasses.asdict, which deep-copies: measured 5x the cost of the whole line.
+    values: dict[str, object] = {name: getattr(record, name) for name in FIELDS}
+    values["time"] = iso_time(record.time)
+    for key in _MS:
+        value = values[key]
+        if isinstance(value, float):
+            values[key] = round(value, 1)
+    return values
+
+
+def format_json(record: AccessRecord) -> str:
+    return orjson.dumps(_values(record)).decode()
+
+
+_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/+@,;")
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def quote(value: object) -> str:
+    """One logfmt value: as is when plain, else double-quoted with escapes; None as nothing."""
+    if value is None:
+        return ""
+    text = str(value)
+    if text and all(c in _PLAIN for c in text):
+        return text
+    escaped = "".join(_ESCAPES.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in text)
+    return f'"{escaped}"'
+
+
+def format_text(record: AccessRecord) -> str:
+    return " ".join(f"{key}={quote(value)}" for key, value in _values(record).items())
+
+
+class AccessLog:
+    """Writes records in the configured format on ``vllm_guard.access`` (at INFO)."""
+
+    def __init__(self, fmt: AccessLogFormat, logger: logging.Logger | None = None) -> None:
+        self.fmt = fmt
+        self._logger = logger if logger is not None else logging.getLogger(LOGGER_NAME)
+        self._format = format_json if fmt == "json" else format_text
+
+    @property
+    def on(self) -> bool:
+        return self.fmt != "off" and self._logger.isEnabledFor(logging.INFO)
+
+    def write(self, record: AccessRecord) -> None:
+        if self.on:
+            self._logger.info("%s", self._format(record))
+
+
+def install_default_handler(
+    fmt: AccessLogFormat, stream: IO[str] | None = None
+) -> logging.handlers.QueueListener | None:
+    """Route the access log to ``stream`` (standard output) through a queue and a writer thread, unless it is off
+    or logging routes it already. Returns the listener, started: the caller stops it on shutdown (it writes
+    what is still queued)."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if fmt == "off" or logger.handlers:
+        return None
+    out = logging.StreamHandler(stream if stream is not None else sys.stdout)
+    out.setFormatter(logging.Formatter("%(message)s"))
+    records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
+    logger.addHandler(logging.handlers.QueueHandler(records))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the root handler would print it again, with its own prefix
+    listener = logging.handlers.QueueListener(records, out)
+    listener.start()
+    return listener

@@ -1,0 +1,93 @@
+"""The access log's two formats parse back into the same record, with stable keys; off writes nothing."""
+
+from __future__ import annotations
+
+import io
+import logging
+import re
+import shlex
+from dataclasses import replace
+
+import orjson
+import pytest
+
+from gateway.observe.access_log import (
+    FIELDS,
+    LOGGER_NAME,
+    AccessLog,
+    AccessRecord,
+    format_json,
+    format_text,
+    install_default_handler,
+    quote,
+)
+
+RECORD = AccessRecord(
+    time=1_795_000_000.25, request_id="req-1", tenant="team a", route="chat", model='tiny "v2"', status=200,
+    outcome="ok", reason=None, prompt_tokens=12, max_tokens_asked=4000, max_tokens=2036, truncated_tokens=0,
+    queue_ms=1.26, engine="0", ttft_ms=15.04, duration_ms=40.0, completion_tokens=7, trace_id=None,
+)
+
+
+def parse_text(line: str) -> dict[str, str]:
+    """logfmt as a shell splits it: quoted values unquoted (our escapes are shell escapes for these values)."""
+    pairs = [token.split("=", 1) for token in shlex.split(line)]
+    return {key: value for key, value in pairs}
+
+
+def test_json_is_one_object_with_every_key_in_order() -> None:
+    data = orjson.loads(format_json(RECORD))
+    assert tuple(data) == FIELDS
+    assert data["time"] == "2026-11-18T11:06:40.250Z"
+    assert (data["model"], data["queue_ms"], data["ttft_ms"], data["trace_id"]) == ('tiny "v2"', 1.3, 15.0, None)
+
+
+def test_text_is_key_value_pairs_with_every_key_in_order_and_quoting() -> None:
+    line = format_text(RECORD)
+    fields = parse_text(line)
+    assert tuple(fields) == FIELDS
+    assert (fields["tenant"], fields["model"], fields["status"], fields["reason"]) == ("team a", 'tiny "v2"', "200", "")
+    assert 'model="tiny \\"v2\\""' in line
+
+
+@pytest.mark.parametrize(("value", "written"), [
+    (None, ""), ("plain-1.0/x:y", "plain-1.0/x:y"), ("", '""'), ("a b", '"a b"'), ("k=v", '"k=v"'),
+    ("line\nbreak", '"line\\nbreak"'), ("bell\x07", '"bell\\u0007"'), ('back\\slash', '"back\\\\slash"'),
+])
+def test_a_text_value_is_quoted_when_it_is_not_plain(value: str | None, written: str) -> None:
+    assert quote(value) == written
+
+
+def test_a_value_can_never_start_a_line_or_a_field_of_its_own() -> None:
+    forged = replace(RECORD, model="x\nstatus=500 outcome=ok")
+    line = format_text(forged)
+    assert "\n" not in line and parse_text(line)["status"] == "200"
+    assert len(re.findall(r"(?:^| )status=", line)) == 1
+
+
+def test_records_go_to_their_own_logger_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    AccessLog("json").write(RECORD)
+    AccessLog("off").write(RECORD)
+    [record] = [r for r in caplog.records if r.name == LOGGER_NAME]
+    assert orjson.loads(record.getMessage())["request_id"] == "req-1"
+
+
+def test_the_default_handler_writes_plain_lines_through_its_thread_and_stops() -> None:
+    out = io.StringIO()
+    logger = logging.getLogger(LOGGER_NAME)
+    listener = install_default_handler("text", out)
+    assert listener is not None
+    try:
+        assert install_default_handler("text", out) is None  # routed already: left as it is
+        AccessLog("text").write(RECORD)
+    finally:
+        listener.stop()  # writes what is queued
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+        logger.propagate, logger.level = True, logging.NOTSET
+    assert out.getvalue() == format_text(RECORD) + "\n"
+
+
+def test_off_installs_nothing() -> None:
+    assert install_default_handler("off") is None
