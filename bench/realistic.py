@@ -16,9 +16,11 @@ Loads (``--workload``, repeatable):
 
 Targets: ``direct`` (vLLM), ``watermark`` (a second vLLM with ``--watermark 0.05``, what a user would set
 instead of a gateway), ``strict`` (the gateway with ``--admission-policy strict``) and ``default`` (the gateway as
-it starts without a policy flag), the gateways in front of the first vLLM. Every run of a load draws one plan of
-arrivals and lengths; each target gets that plan with words of its own, so no target finds another's prompts in
-the prefix cache; the targets take turns, the order rotating from run to run. Reported: medians over the runs
+it starts without a policy flag; ``--gateway-src`` runs a checkout of one commit instead of this tree), and
+``before``: the default policy of another commit (``--baseline-src``), beside it; the gateways front the first
+vLLM. Every run of a load draws one plan of arrivals and lengths; each target gets that plan with words of its
+own, so no target finds another's prompts in the prefix cache; the targets take turns, the order rotating from
+run to run. Reported: medians over the runs
 and the median of the per-run ratios to direct: output tokens/s, mean and p99 TTFT, goodput (requests completed
 with TTFT within the objective, per second), completed within the objective, preemptions (the engine's
 ``vllm:num_preemptions_total`` delta), refused (429/503), client timeouts; a picture per load of each request's
@@ -27,6 +29,8 @@ TTFT over the first run.
     .venv/bin/python bench/realistic.py --find-capacity 0.5,1,1.5,2,3
     .venv/bin/python bench/realistic.py --rate 1.5 --workload capacity --workload double
     .venv/bin/python bench/realistic.py --rate 1.5 --workload overload --client sdk
+    .venv/bin/python bench/realistic.py --rate 1.5 --workload double --client vllm
+    .venv/bin/python bench/realistic.py --rate 1.5 --baseline-src /tmp/old-checkout   # + target 'before'
     .venv/bin/python bench/realistic.py --quick                      # a short smoke run of every load
 """
 
@@ -48,7 +52,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import plots  # noqa: E402
-from bench.realistic_clients import CLIENTS  # noqa: E402
+from bench.realistic_clients import CLIENTS, run_vllm_bench  # noqa: E402
 from bench.realistic_load import (  # noqa: E402
     TABLE_HEAD,
     Figures,
@@ -80,6 +84,8 @@ TARGETS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "watermark": ("watermark", None),
     "strict": ("direct", ("--admission-policy", "strict")),
     "default": ("direct", ()),
+    # The default policy of another commit (--baseline-src): the policy before a change, run beside it.
+    "before": ("direct", ()),
 }
 
 
@@ -132,6 +138,7 @@ class Bench:
     eos_id: int
     client: str
     objective: float
+    model: Path
 
     def base(self, target: str, objective_flag: bool) -> str:
         engine, flags = TARGETS[target]
@@ -143,10 +150,17 @@ class Bench:
         engine = self.engines[TARGETS[target][0]]
         wait_idle(engine)
         before = scrape_counter(f"{engine.url}/metrics", PREEMPTIONS)
-        outcomes = asyncio.run(CLIENTS[self.client](self.base(target, load.objective_flag), plans, texts,
-                                                    self.eos_id, load.read_timeout_s))
+        base = self.base(target, load.objective_flag)
+        if self.client == "vllm":
+            outcomes = asyncio.run(run_vllm_bench(base, plans, texts, self.eos_id, load.read_timeout_s,
+                                                  str(self.model)))
+        else:
+            outcomes = asyncio.run(CLIENTS[self.client](base, plans, texts, self.eos_id, load.read_timeout_s))
         wait_idle(engine)
         preempted = scrape_counter(f"{engine.url}/metrics", PREEMPTIONS) - before
+        errors = sorted({o.error for o in outcomes if o.error})
+        if errors:
+            print(f"realistic: {target}: errors seen: {errors[:3]}", file=sys.stderr)
         return figures(outcomes, self.objective, preempted), outcomes
 
 
@@ -158,28 +172,30 @@ def start_servers(args: argparse.Namespace, targets: Sequence[str], loads: Seque
         extra = WATERMARK if name == "watermark" else ()
         engines[name] = vllm_server(model, logs / f"vllm-{name}.log", kv_cache_memory_bytes=KV_CACHE_BYTES,
                                     extra_args=extra).start()
-    command = gateway_command(args.gateway_src)
-    objective_flag = has_flag(command, "--ttft-objective")
     gateways: dict[tuple[str, bool], ServerProcess] = {}
-    bench = Bench(engines, gateways, int(eos[0] if isinstance(eos, list) else eos), args.client, args.objective)
+    bench = Bench(engines, gateways, int(eos[0] if isinstance(eos, list) else eos), args.client, args.objective,
+                  model)
     for engine in engines.values():
         engine.wait_ready(VLLM_READY_PATHS, 900)
+    wanted = {LOADS[n].objective_flag for n in loads}
     for target in targets:
         flags = TARGETS[target][1]
-        for with_objective in sorted({LOADS[n].objective_flag and objective_flag for n in loads}):
-            if flags is None:
-                continue
+        if flags is None:
+            continue
+        command = gateway_command(args.baseline_src if target == "before" else args.gateway_src)
+        # A gateway without --ttft-objective serves the overload as it is.
+        variants = wanted if has_flag(command, "--ttft-objective") else {False}
+        for with_objective in sorted(variants):
             extra = ("--ttft-objective", f"{args.objective:g}") if with_objective else ()
             port = free_port()
             argv = [*command, "serve", "--upstream", engines["direct"].url, "--host", "127.0.0.1", "--port",
                     str(port), *flags, *extra]
             key = f"{target}{'-objective' if with_objective else ''}"
             gateways[(target, with_objective)] = ServerProcess(key, argv, port, logs / f"gateway-{key}.log").start()
-    for gateway in gateways.values():
+        for with_objective in wanted - variants:
+            gateways[(target, with_objective)] = gateways[(target, False)]
+    for gateway in {id(g): g for g in gateways.values()}.values():
         gateway.wait_ready(GATEWAY_READY_PATHS, 180)
-    if not objective_flag:  # the overload's gateways are the plain ones
-        for (target, _), gateway in list(gateways.items()):
-            gateways[(target, True)] = gateway
     return bench
 
 
@@ -238,15 +254,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=None, help="seconds of arrivals of capacity and double")
     parser.add_argument("--repeat", type=int, default=3, help="runs per load, targets in turns (3)")
     parser.add_argument("--objective", type=float, default=5.0, help="TTFT objective of goodput, s (5)")
-    parser.add_argument("--client", choices=sorted(CLIENTS), default="aiohttp")
+    parser.add_argument("--client", choices=[*sorted(CLIENTS), "vllm"], default="aiohttp",
+                        help="aiohttp (light), sdk (the OpenAI SDK) or vllm (vLLM's benchmark client)")
     parser.add_argument("--find-capacity", type=str, default=None, help="comma-separated rates to try direct")
-    parser.add_argument("--gateway-src", type=Path, default=None, help="run the gateway package under this dir")
+    parser.add_argument("--gateway-src", type=Path, default=None, help="run the gateway package under this dir "
+                        "(a checkout of one commit); default: this working tree's")
+    parser.add_argument("--baseline-src", type=Path, default=None, help="the gateway package of target 'before'")
     parser.add_argument("--quick", action="store_true", help="one short run of each load (a smoke test)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument("--pictures", type=Path, default=ROOT / "docs" / "img")
     args = parser.parse_args(argv)
     loads = args.workload or list(LOADS)
-    targets = args.target or list(TARGETS)
+    targets = args.target or [t for t in TARGETS if t != "before" or args.baseline_src is not None]
     if "direct" not in targets:
         targets.insert(0, "direct")
     if args.quick:
@@ -270,9 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         for server in [*{id(g): g for g in bench.gateways.values()}.values(), *bench.engines.values()]:
             server.stop()
-    report = (f"vLLM {version} (CPU build), tiny model, 64 MiB KV cache (512 blocks of 128); capacity rate "
-              f"{args.rate:g}/s; {args.repeat} run(s) per load in turns; client {args.client}; objective "
-              f"{args.objective:g} s; {time.monotonic() - started:.0f} s in all; command: "
+    runs = ("direct alone at each rate" if args.find_capacity is not None else
+            f"capacity rate {args.rate:g}/s; {args.repeat} run(s) per load in turns")
+    report = (f"vLLM {version} (CPU build), tiny model, 64 MiB KV cache (512 blocks of 128); {runs}; client "
+              f"{args.client}; objective {args.objective:g} s; {time.monotonic() - started:.0f} s in all; command: "
               f"`.venv/bin/python bench/realistic.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n\n"
               + body)
     print(report)

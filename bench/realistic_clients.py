@@ -3,13 +3,15 @@ returns what it saw of each (``Outcome``).
 
 - ``aiohttp``: a light client, so that the client takes little of the machine's two cores; it sends
   ``x-stainless-read-timeout`` as the OpenAI SDKs do;
-- ``sdk``: the OpenAI Python SDK (``max_retries=0``, so that a refusal is counted, not retried).
+- ``sdk``: the OpenAI Python SDK (``max_retries=0``, so that a refusal is counted, not retried);
+- ``vllm``: vLLM's own benchmark client, in-process, replaying the same arrival times.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
@@ -53,8 +55,8 @@ async def _aiohttp_one(session: aiohttp.ClientSession, url: str, body: dict[str,
                         tokens = int(usage["completion_tokens"])
     except (TimeoutError, aiohttp.ServerTimeoutError):
         return Outcome(planned.at, status, ttft, 0, time.monotonic() - start, timed_out=True)
-    except (aiohttp.ClientError, ValueError, KeyError):
-        return Outcome(planned.at, None, ttft, 0, time.monotonic() - start)
+    except (aiohttp.ClientError, ValueError, KeyError) as exc:
+        return Outcome(planned.at, None, ttft, 0, time.monotonic() - start, error=repr(exc))
     return Outcome(planned.at, status, ttft, tokens, time.monotonic() - start)
 
 
@@ -73,7 +75,9 @@ async def _dispatch(plans: Sequence[Planned], texts: Sequence[str], send: Send) 
 async def run_aiohttp(base: str, plans: Sequence[Planned], texts: Sequence[str], eos_id: int,
                       read_timeout: float) -> list[Outcome]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read_timeout)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    # Idle connections are dropped after 3 s, before vLLM's 5-s keep-alive closes them under a request.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         url = f"{base}/v1/chat/completions"
 
         async def send(i: int, planned: Planned, text: str, start: float) -> Outcome:
@@ -107,11 +111,50 @@ async def run_sdk(base: str, plans: Sequence[Planned], texts: Sequence[str], eos
                 return Outcome(planned.at, None, ttft, 0, time.monotonic() - start, timed_out=True)
             except openai.APIStatusError as exc:
                 return Outcome(planned.at, exc.status_code, None, 0, time.monotonic() - start)
-            except openai.APIError:
-                return Outcome(planned.at, None, ttft, 0, time.monotonic() - start)
+            except openai.APIError as exc:
+                return Outcome(planned.at, None, ttft, 0, time.monotonic() - start, error=repr(exc))
             return Outcome(planned.at, 200, ttft, tokens, time.monotonic() - start)
 
         return await _dispatch(plans, texts, send)
+
+
+def _vllm_outcome(planned: Planned, result: dict[str, Any], i: int, first_start: float) -> Outcome:
+    error = str(result["errors"][i] or "")
+    end = planned.at + float(result["start_times"][i]) - first_start + float(result["latencies"][i])
+    if not error:
+        return Outcome(planned.at, 200, float(result["ttfts"][i]), int(result["output_lens"][i]), end)
+    status = next((code for code in (429, 503, 400, 500) if str(code) in error), None)
+    return Outcome(planned.at, status, None, 0, end, timed_out="timeout" in error.lower(), error=error)
+
+
+async def run_vllm_bench(base: str, plans: Sequence[Planned], texts: Sequence[str], eos_id: int,
+                         read_timeout: float, tokenizer_dir: str) -> list[Outcome]:
+    """vLLM's own benchmark client (``vllm bench serve``'s ``benchmark``, chat backend) replaying the plan's
+    arrival times (``self_timed``), each request with its own ``min_tokens`` and bias; it has no read timeout
+    of its own (6 h). Its single-request check before the run sends the first request once more."""
+    import contextlib
+
+    from vllm.benchmarks.datasets import SampleRequest
+    from vllm.benchmarks.serve import TaskType, benchmark
+    from vllm.tokenizers import get_tokenizer
+
+    tokenizer = get_tokenizer(tokenizer_dir)
+    requests = [
+        SampleRequest(prompt=text, prompt_len=len(tokenizer.encode(text)), expected_output_len=MAX_TOKENS,
+                      timestamp=planned.at, request_overrides=length_body(planned.length, eos_id))
+        for planned, text in zip(plans, texts, strict=True)
+    ]  # fmt: skip
+    with contextlib.redirect_stdout(sys.stderr):  # its report goes with the progress lines
+        result = await benchmark(
+            task_type=TaskType.GENERATION, endpoint_type="openai-chat", api_url=f"{base}/v1/chat/completions",
+            base_url=base, model_id=SERVED_MODEL_NAME, model_name=SERVED_MODEL_NAME, tokenizer=tokenizer,
+            input_requests=requests, logprobs=None, request_rate=float("inf"), burstiness=1.0, disable_tqdm=True,
+            num_warmups=0, profile=False, selected_percentile_metrics=["ttft"], selected_percentiles=[99.0],
+            ignore_eos=False, goodput_config_dict={}, max_concurrency=None, lora_modules=None, extra_headers=None,
+            extra_body={"stream_options": {"include_usage": True}}, self_timed=True,
+        )
+    first_start = min(float(t) for t in result["start_times"])
+    return [_vllm_outcome(p, result, i, first_start) for i, p in enumerate(plans)]
 
 
 CLIENTS = {"aiohttp": run_aiohttp, "sdk": run_sdk}

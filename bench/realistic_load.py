@@ -82,6 +82,7 @@ class Outcome:
     tokens: int
     end: float
     timed_out: bool = False
+    error: str = ""  # what went wrong, for the log
 
     @property
     def completed(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
@@ -35,7 +36,7 @@ def test_arrivals_are_poisson_at_the_rate_and_repeat_per_seed() -> None:
     planned = plan(4.0, 500.0, seed=7)
     assert planned == plan(4.0, 500.0, seed=7) and planned != plan(4.0, 500.0, seed=8)
     assert len(planned) / 500.0 == pytest.approx(4.0, rel=0.05)
-    gaps = [b.at - a.at for a, b in zip(planned, planned[1:], strict=False)]
+    gaps = [b.at - a.at for a, b in itertools.pairwise(planned)]
     # Exponential gaps: their standard deviation equals their mean.
     assert statistics.pstdev(gaps) == pytest.approx(statistics.fmean(gaps), rel=0.1)
     assert all(0 < p.at < 500.0 for p in planned)
@@ -47,7 +48,7 @@ def test_lengths_are_lognormal_around_200_and_within_max_tokens() -> None:
     lengths = [lognormal_length(rng) for _ in range(20_000)]
     assert statistics.fmean(lengths) == pytest.approx(200, rel=0.04)
     assert statistics.median(lengths) == pytest.approx(200 * math.exp(-0.32), rel=0.04)
-    assert 1 <= min(lengths) and max(lengths) <= MAX_TOKENS
+    assert min(lengths) >= 1 and max(lengths) <= MAX_TOKENS
 
 
 def test_every_target_gets_the_same_sizes_in_words_of_its_own() -> None:
@@ -133,3 +134,15 @@ def test_the_ttft_picture_is_a_png(tmp_path: Path) -> None:
               plots.TtftSeries("default", [0.0, 1.0], [0.2, 0.4], refused=[2.0])]
     path = plots.ttft_figure(tmp_path / "t.png", "t", series, objective=5.0, timeout=30.0)
     assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_vllms_client_results_become_outcomes() -> None:
+    from bench.realistic_clients import _vllm_outcome
+
+    result = {"errors": ["", "Service Unavailable (503)", "TimeoutError: read timeout"], "start_times": [5.0, 6.0, 7.0],
+              "latencies": [2.0, 0.01, 30.0], "ttfts": [0.3, 0.0, 0.0], "output_lens": [120, 0, 0]}
+    planned = [Planned(0.0, 200, 120), Planned(1.0, 200, 9), Planned(2.0, 200, 9)]
+    done, refused, timed_out = (_vllm_outcome(p, result, i, 5.0) for i, p in enumerate(planned))
+    assert done == Outcome(0.0, 200, 0.3, 120, 2.0) and done.completed
+    assert refused.status == 503 and not refused.completed
+    assert timed_out.timed_out and timed_out.end == pytest.approx(2.0 + 2.0 + 30.0)
