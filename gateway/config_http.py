@@ -50,6 +50,13 @@ class HttpFields(BaseModel):
         5.0, ge=0, description="Seconds a request body may take before --min-body-rate applies."
     )
 
+    max_answer_bytes: int = Field(
+        16 * 1024 * 1024, ge=64 * 1024,
+        description="Largest answer read whole from the upstream on a pass-through route (/tokenize, /detokenize, "
+        "/version, --passthrough-route); a larger one is not read further and gets 502. vLLM's /tokenize answers "
+        "~20 bytes a token with token_strs: the default covers prompts of ~800K tokens.",
+    )
+
     # -- request templates ------------------------------------------------------------------------
     trust_request_chat_template: bool = Field(
         False,

@@ -44,6 +44,11 @@ class Engine(Generic[ModelsT]):
         return self.view.snapshot
 
     @property
+    def answers(self) -> int:
+        """Answers completed through the gateway: progress for the managed watchdog as for the hang detector."""
+        return self.progress.answers
+
+    @property
     def max_model_len(self) -> int | None:
         """The engine's own context length, from its model listing; None until it has been read."""
         listing = self.models.cached

@@ -10,6 +10,8 @@ and never answered. Only a lack of progress shows it.
   ``vllm:kv_cache_usage_perc`` changed, or ``vllm:num_requests_waiting`` fell (arrivals are not progress: a
   frozen engine's API server still queues them);
 - a chunk on any of the gateway's open streams to it;
+- an answer that completed through the gateway (a whole answer read: an engine that answers at once never moves
+  a stream, and a stand-in engine may publish no moving metrics at all);
 - a probe answered (below).
 
 **A long prefill is not a hang.** In vLLM V1 (read in 0.32: ``v1/metrics/stats.py``, ``loggers.py``,
@@ -25,6 +27,14 @@ successful scrape. Without work nothing is judged, and the clock starts when wor
 for half the bound, one probe (a one-token completion, sent straight to the engine) asks whether the engine
 still answers: vLLM publishes its gauges only when it steps, so requests aborted by their clients can leave
 ``running > 0`` behind on an idle engine, and a live engine answers the probe and moves its counters.
+
+**A busy API server is not a frozen engine.** vLLM's API server is one event loop: a large ``/tokenize`` or a
+burst of requests can hold it for seconds, during which it answers nothing (scrapes late or failed, streams
+silent) while the engine core keeps generating; the movement shows once the loop is free. A frozen engine core is
+the opposite: its API server answers scrapes at once, with gauges that do not move. So the bound applies as it is
+while the latest scrape was answered promptly (within ``LATE_SCRAPE``); while the API server answers late or not
+at all, the bound is ``BUSY_FACTOR`` times longer (a server frozen whole, or deadlocked, with the gateway's
+requests waiting on it is still called hung, later).
 
 **Hung** after the whole bound without progress: ``/health`` answers 503 (state ``hung``), new requests get
 503 ``upstream_hung`` with ``Retry-After`` at once, requests in flight are cut (a stream with an error event,
@@ -57,6 +67,11 @@ from gateway.metrics import Metrics
 log = logging.getLogger(__name__)
 
 DEFAULT_HANG_TIMEOUT = 15.0
+# A scrape answered later than this after it was sent says the API server is busy: vLLM renders /metrics in
+# milliseconds, and a frozen engine core leaves its API server as quick as ever.
+LATE_SCRAPE = 1.0
+# While the API server answers late or not at all, the bound is this many times --hang-timeout.
+BUSY_FACTOR = 3.0
 # A probe answers whether the engine still answers at all: it asks for the least work a completion can be.
 PROBE_BODY = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
 
@@ -135,8 +150,14 @@ class ProgressDetector:
         self._since = clock()  # the last progress, or when work appeared
         self._events = 0  # stream chunks seen, read and compared by tick
         self._events_seen = 0
+        self.answers = 0  # whole answers completed through the gateway, compared by tick (and the watchdog)
+        self._answers_seen = 0
+        self._late = False  # the latest scrape was answered late or not at all
+        self._answered_at: float | None = None  # when the latest scrape's answer (or failure) came
+        self._cadence = 0.0  # the pause between one scrape's answer and the next scrape
         self._moved = False  # set between ticks by a scrape that moved or a probe answered
-        self._reading: Reading | None = None
+        self._reading: Reading | None = None  # the latest scrape's, None after a failed one
+        self._last_reading: Reading | None = None  # the latest successful scrape's, kept to compare the next with
         self._watchers: dict[int, Abort] = {}
         self._ids = itertools.count()
         self._last_probe: float | None = None
@@ -155,6 +176,11 @@ class ProgressDetector:
     # -- what the gateway sees -------------------------------------------------------------------------
     def observe(self, old: EngineSnapshot, new: EngineSnapshot) -> None:
         """An engine view listener: each successful scrape, compared with the last successful one."""
+        now = self._clock()
+        if self._answered_at is not None:
+            self._cadence = max(0.0, new.taken_at - self._answered_at)
+        self._answered_at = now
+        self._late = not new.ok or now - new.taken_at > LATE_SCRAPE
         reading = reading_of(new)
         if reading is None:
             # A failed scrape says nothing of movement, and the last one's running count is no longer the engine's
@@ -162,9 +188,10 @@ class ProgressDetector:
             # still count as work.
             self._reading = None
             return
-        if self._reading is not None and moved(self._reading, reading):
+        # Compared across failed scrapes: a busy API server's first answer after them shows what moved meanwhile.
+        if self._last_reading is not None and moved(self._last_reading, reading):
             self._moved = True
-        self._reading = reading
+        self._reading = self._last_reading = reading
 
     def opened(self) -> None:
         self.in_flight += 1
@@ -176,6 +203,23 @@ class ProgressDetector:
         """A chunk arrived on one of the engine's streams (called per chunk: a counter, compared on tick)."""
         self._events += 1
 
+    def answered(self) -> None:
+        """A whole answer of the engine's was read (the gateway's request completed): the engine did its work."""
+        self.answers += 1
+
+    @property
+    def bound(self) -> float:
+        """Seconds without progress, while work runs, that make the engine hung: longer while its API server is
+        busy (see the module's docstring)."""
+        return self.timeout * BUSY_FACTOR if self.api_server_busy() else self.timeout
+
+    def api_server_busy(self) -> bool:
+        """Whether the engine's API server answers its scrapes late or not at all: the latest one came late or
+        failed, or the one now due has waited longer than ``LATE_SCRAPE`` (the scrapes' own cadence aside)."""
+        if self._answered_at is None:
+            return False
+        return self._late or self._clock() - self._answered_at > self._cadence + LATE_SCRAPE
+
     def has_work(self) -> bool:
         return self.in_flight > 0 or (self._reading is not None and self._reading.busy)
 
@@ -184,8 +228,10 @@ class ProgressDetector:
         now = self._clock()
         # While hung no new stream opens: chunks then are what the cut streams had buffered before the freeze
         # (read after the cut), not movement.
-        progressed = self._moved or (not self.hung and self._events != self._events_seen)
-        self._moved, self._events_seen = False, self._events
+        progressed = (
+            self._moved or self.answers != self._answers_seen or (not self.hung and self._events != self._events_seen)
+        )
+        self._moved, self._events_seen, self._answers_seen = False, self._events, self.answers
         if progressed:
             self._since = now
             if self.hung:
@@ -194,7 +240,7 @@ class ProgressDetector:
             self._maybe_probe(now, every=self.retry_after)
         elif not self.has_work():
             self._since = now
-        elif now - self._since >= self.timeout:
+        elif now - self._since >= self.bound:
             self._declare(now)
         elif now - self._since >= self.timeout / 2:
             self._maybe_probe(now, every=self.timeout / 2)
@@ -208,8 +254,9 @@ class ProgressDetector:
         stalled = now - self._since
         self.hung_since = now
         self.hangs += 1
+        busy = f", x{BUSY_FACTOR:g} while its API server answered late or not at all" if self.api_server_busy() else ""
         self.detail = (
-            f"no progress for {stalled:.1f} s while {self._work()} (limit --hang-timeout {self.timeout:g} s)"
+            f"no progress for {stalled:.1f} s while {self._work()} (limit --hang-timeout {self.timeout:g} s{busy})"
         )
         log.warning("the engine is hung: %s; refusing new requests and cutting %d in flight",
                     self.detail, len(self._watchers))

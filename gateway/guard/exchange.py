@@ -72,6 +72,7 @@ async def read_answer(
     try:
         with engine.progress.interruptible():
             payload = await stream.read_all()
+        engine.progress.answered()  # a whole answer is progress, even from an engine whose metrics never move
     finally:
         close(parts, engine, stream)
     parts.metrics.record_upstream_latency(route, time.perf_counter() - t0)

@@ -149,7 +149,7 @@ def manage(parts: Parts, stack: contextlib.AsyncExitStack) -> None:
     sups, settings = parts.supervisors, parts.settings
     for i, (sup, engine) in enumerate(zip(sups, parts.engines, strict=True)):
         sup.admission = parts.admission if len(sups) == 1 else EngineControl(parts.admission, i)
-        sup.engine = engine.view
+        sup.engine = engine  # its metrics and the answers completed through the gateway
         stack.push_async_callback(sup.stop)
     # With one engine a turn restarts it in place; with several, one at a time while the others serve.
     parts.rolling = RollingRestarts(sups, every=settings.restart_every, ready_timeout=settings.startup_timeout)

@@ -13,7 +13,7 @@ from starlette.responses import Response
 from gateway.errors import InvalidRequest
 from gateway.guard.parts import Parts
 from gateway.guard.status import engines_status, publish_pool_metrics, upstream_status
-from gateway.http import passthrough, ui
+from gateway.http import passthrough, tokenization, ui
 from gateway.http.auth import authenticate
 from gateway.http.routes import RouteTable
 
@@ -102,7 +102,11 @@ async def live_data(request: Request) -> Response:
 
 
 def forwarding(path: str) -> Handler:
+    bounded = tokenization.HANDLERS.get(path)  # /tokenize, /detokenize: counted and bounded by the gateway
+
     async def forward(request: Request) -> Response:
+        if bounded is not None:
+            return await bounded(parts_of(request), request)
         return await passthrough.passthrough(parts_of(request), request, path)
 
     return forward

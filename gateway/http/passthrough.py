@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
-from gateway.engine.client import UpstreamStream, response_headers
+from gateway.engine.client import UpstreamStream, decoder_for, response_headers
 from gateway.engine.sse import SSEFramer
 from gateway.engine.vllm_api import parse_models, upstream_error_from
-from gateway.errors import GatewayError
+from gateway.errors import BadUpstreamResponse, GatewayError
 from gateway.guard.parts import Parts
 from gateway.guard.policy import effective_max_model_len
 from gateway.http.auth import authenticate
@@ -50,29 +50,68 @@ async def passthrough(parts: Parts, request: Request, path: str) -> Response:
         body = await read_body(request, BodyLimits.of(parts.settings))
     except ClientDisconnect:
         return Response(status_code=499)
+    return await forward(parts, request, path, body, rid)
+
+
+async def forward(
+    parts: Parts, request: Request, path: str, body: bytes, rid: str, *, check: Callable[[bytes], None] | None = None
+) -> Response:
+    """``body`` sent to the engine at ``path``; its answer relayed: an event stream one whole event per write,
+    anything else read whole within ``--max-answer-bytes`` (``check``, if given, sees a 200 answer first and may
+    refuse it)."""
     headers = dict(request.headers.items())
     headers["x-request-id"] = rid
     stream = await parts.serving_engine().client.open(
         request.method, path, body=body or None, headers=headers, params=dict(request.query_params)
     )
+    limit = parts.settings.max_answer_bytes
     if stream.status >= 400 and stream.headers.get("content-type", "").startswith("application/json"):
         try:
-            payload = await stream.read_all()
+            payload = await read_bounded(stream, path, limit)
         finally:
             stream.close()
+        decoder = decoder_for(stream.headers)
+        if decoder is not None:
+            payload = decoder.decode(payload, limit) + decoder.finish()
         raise upstream_error_from(stream.status, payload, stream.headers)
     relayed = {k: v for k, v in response_headers(stream.headers).items() if k.lower() not in _RESPONSE_DROP}
     relayed["x-request-id"] = rid
     if not stream.headers.get("content-type", "").startswith("text/event-stream"):
         # Read whole before answering: a body the upstream cuts midway then becomes a clear 502/503, where a
-        # relayed one would reach the client as a well-ended but truncated 200. These answers are small.
+        # relayed one would reach the client as a well-ended but truncated 200.
         try:
-            payload = await stream.read_raw()
+            payload = await read_bounded(stream, path, limit)
         finally:
             stream.close()
+        if check is not None and stream.status == 200:
+            decoder = decoder_for(stream.headers)
+            check(payload if decoder is None else decoder.decode(payload, limit) + decoder.finish())
         return Response(payload, status_code=stream.status, headers=relayed)
     events = relay(stream, path, rid, parts.settings.max_stream_event_bytes)
     return StreamingResponse(events, status_code=stream.status, headers=relayed)
+
+
+async def read_bounded(stream: UpstreamStream, path: str, limit: int) -> bytes:
+    """The whole answer as sent, refused (502) at the first byte past ``limit``: nothing more is read, and
+    closing the stream then drops the connection, which aborts the upstream's request."""
+    declared = stream.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(path, limit, f"{int(declared)} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in stream.chunks():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(path, limit, f"more than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(path: str, limit: int, size: str) -> BadUpstreamResponse:
+    return BadUpstreamResponse(
+        f"The upstream's answer to {path} is {size}; the gateway relays at most {limit} bytes "
+        "(--max-answer-bytes). Nothing of it was sent."
+    )
 
 
 async def relay(stream: UpstreamStream, path: str, rid: str, max_event_bytes: int) -> AsyncIterator[bytes]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Collection
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import aiohttp
 
@@ -33,6 +33,14 @@ class EngineSnapshotLike(Protocol):
 class EngineWatch(Protocol):
     @property
     def snapshot(self) -> EngineSnapshotLike | None: ...
+
+
+@runtime_checkable
+class CountsAnswers(Protocol):
+    """An engine that also says how many answers completed through the gateway (``gateway.engine.Engine``)."""
+
+    @property
+    def answers(self) -> int: ...
 
 
 class GpuProbe(Protocol):
@@ -148,6 +156,8 @@ class EngineProbe:
         self, dog: Watchdog, pgid: int, *, engine: EngineWatch | None, gpu: GpuProbe | None, timeout: float
     ) -> Trouble | None:
         """One watchdog round: health, then progress, then the group's GPU memory."""
+        if isinstance(engine, CountsAnswers):
+            dog.observe_answers(self.clock(), engine.answers)
         ok = await self.get_ok("/health", timeout=timeout)
         trouble = dog.observe_health(self.clock(), ok)
         if trouble is not None or not ok:

@@ -2,6 +2,11 @@
 
 Free of I/O so that every rule can be tested with made-up times; the supervisor probes the engine and feeds
 the answers in.
+
+A hang is no progress while work runs. Progress is generated tokens moving, and also any answer that completed
+through the gateway (an engine that answers at once may never be seen running). A busy API server (vLLM's one
+event loop held by a large /tokenize or a burst) answers ``/health`` late or not at all while its engine core
+still generates: a silent ``/health`` is a hang only when nothing moved either for the whole bound.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class Watchdog:
         self._last_alive = now
         self._last_progress = now
         self._tokens: float | None = None
+        self._answers: int | None = None
         self._was_running = False
         self._preemptions: deque[tuple[float, float]] = deque()
         self.baseline_mib: float | None = None
@@ -51,12 +57,21 @@ class Watchdog:
         if ok:
             self._last_alive = now
             return None
-        silent = now - self._last_alive
+        # An engine still moving has a busy API server, not a dead one.
+        silent = now - max(self._last_alive, self._last_progress)
         if silent >= self.hang_timeout:
             return Trouble(
                 "hang", f"/health failed or did not answer for {silent:.1f} s (limit {self.hang_timeout:g} s)"
             )
         return None
+
+    def observe_answers(self, now: float, answers: int | None) -> None:
+        """The count of answers completed through the gateway so far: one more since the last call is progress."""
+        if answers is None:
+            return
+        if self._answers is not None and answers != self._answers:
+            self._last_progress = now
+        self._answers = answers
 
     def observe_engine(
         self, now: float, running: float | None, tokens: float | None, preemptions: float | None

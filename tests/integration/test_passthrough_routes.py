@@ -393,11 +393,11 @@ def test_the_clients_credentials_and_cookies_are_not_forwarded(engine: Engine, t
     settings = settings_for(engine, tokenizer_dir, api_key=["client-key"], upstream_api_key="engine-key")
     with run_gateway(settings) as gw:
         credentials = {"x-api-key": "client-key", "cookie": "session=abc", "proxy-authorization": "Basic x"}
-        body = orjson.dumps({"model": "tiny", "prompt": "hi"})
-        rid, answer = send_raw(gw.url, "POST", b"/tokenize?add_special=1", body, credentials)
+        body = orjson.dumps({"model": "tiny", "tokens": [1, 2]})
+        rid, answer = send_raw(gw.url, "POST", b"/detokenize?add_special=1", body, credentials)
         assert answer.status == 200, answer
         [seen] = [s for s in engine.recorder.seen if s.request_id == rid]
-        assert seen.path == "/tokenize" and seen.query == b"add_special=1"
+        assert seen.path == "/detokenize" and seen.query == b"add_special=1"
         assert seen.headers["authorization"] == "Bearer engine-key"
         assert not {"x-api-key", "cookie", "proxy-authorization"} & set(seen.headers)
         assert "set-cookie" not in answer.headers

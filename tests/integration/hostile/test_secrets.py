@@ -93,7 +93,8 @@ PROBES = [
     pytest.param("POST", "/v1/chat/completions", chat("hang"), id="a chat the upstream never answers"),
     pytest.param("POST", "/v1/chat/completions", chat("error_500_text"), id="a chat the upstream fails"),
     pytest.param("POST", "/v1/chat/completions", chat("broken_stream", True), id="a stream the upstream breaks"),
-    pytest.param("POST", "/tokenize", {"model": "tiny", "prompt": "rogue:reset"}, id="a tokenize the upstream resets"),
+    pytest.param("POST", "/detokenize", {"model": "tiny", "tokens": [1], "x": "rogue:reset"},
+                 id="a detokenize the upstream resets"),
     pytest.param("POST", "/v1/%2e%2e/metrics", None, id="a traversal"),
 ]
 

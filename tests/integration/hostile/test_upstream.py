@@ -25,7 +25,8 @@ from .conftest import UPSTREAM_KEY
 from .rogue import Rogue
 
 UNAVAILABLE = statuses(502, 503)
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "tokenize": "/tokenize"}
+# /detokenize stands for the pass-through routes (/tokenize is answered by the gateway when it has the tokenizer).
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "detokenize": "/detokenize"}
 
 
 def body_for(route: str, mode: str, *, stream: bool = False, **extra: Any) -> dict[str, Any]:
@@ -35,7 +36,7 @@ def body_for(route: str, mode: str, *, stream: bool = False, **extra: Any) -> di
     elif route == "completions":
         body = {"model": "tiny", "prompt": tag, "max_tokens": 3}
     else:
-        body = {"model": "tiny", "prompt": tag}
+        body = {"model": "tiny", "tokens": [1, 2], "x": tag}
     if stream:
         body["stream"] = True
     body.update(extra)
@@ -86,14 +87,14 @@ ANSWERS = [
     Fault("completions answers a json array", "completions", "json_array", statuses(502)),
     Fault("completions answers gzip", "completions", "gzip", statuses(200)),
     Fault("completions 503 keeps its Retry-After", "completions", "error_503", statuses(503), retry_after="7"),
-    Fault("tokenize ok", "tokenize", "ok", statuses(200)),
-    Fault("tokenize reset", "tokenize", "reset", UNAVAILABLE),
-    Fault("tokenize never answers", "tokenize", "hang", statuses(504)),
-    Fault("tokenize answers gzip", "tokenize", "gzip", statuses(200)),
-    Fault("tokenize 503 keeps its Retry-After", "tokenize", "error_503", statuses(503), retry_after="7"),
-    Fault("tokenize 405 gets an OpenAI type", "tokenize", "error_405", statuses(405),
+    Fault("detokenize ok", "detokenize", "ok", statuses(200)),
+    Fault("detokenize reset", "detokenize", "reset", UNAVAILABLE),
+    Fault("detokenize never answers", "detokenize", "hang", statuses(504)),
+    Fault("detokenize answers gzip", "detokenize", "gzip", statuses(200)),
+    Fault("detokenize 503 keeps its Retry-After", "detokenize", "error_503", statuses(503), retry_after="7"),
+    Fault("detokenize 405 gets an OpenAI type", "detokenize", "error_405", statuses(405),
           error_type="invalid_request_error"),
-    Fault("tokenize answer cut short", "tokenize", "truncated", UNAVAILABLE),
+    Fault("detokenize answer cut short", "detokenize", "truncated", UNAVAILABLE),
 ]
 
 
@@ -179,7 +180,7 @@ async def test_a_stream_is_relayed_in_whole_events_whatever_the_upstream_does(
 
 def test_the_client_key_and_cookies_never_reach_the_upstream(rogue_gw: Target, rogue: Rogue) -> None:
     sent = {"x-api-key": "sk-client-own", "cookie": "session=abc", "authorization": "Bearer sk-client-own"}
-    for i, (path, route) in enumerate([("/tokenize", "tokenize"), ("/v1/chat/completions", "chat")]):
+    for i, (path, route) in enumerate([("/detokenize", "detokenize"), ("/v1/chat/completions", "chat")]):
         rid = f"forwarding-{i}"
         r = rogue_gw.client.post(path, json=body_for(route, "ok"), headers={**sent, "x-request-id": rid})
         assert r.status_code == 200, r.text

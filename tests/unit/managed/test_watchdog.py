@@ -91,3 +91,35 @@ def test_progress_is_summed_over_engines_from_vllms_metrics() -> None:
     )
     assert parse_progress(text) == (3.0, 1234.0, 7.0)
     assert parse_progress("") == (None, None, None)
+
+
+def test_answers_completing_through_the_gateway_are_progress_though_the_tokens_never_move() -> None:
+    # An engine that answers at once: it shows requests running, but its generated-token counter never moves.
+    d = dog()
+    results = []
+    for t in range(0, 60, 2):
+        d.observe_answers(t, answers=t * 500)
+        results.append(d.observe_engine(t, 2, 100, None))
+    assert results == [None] * len(results)
+    d.observe_answers(60, answers=30_000)  # then nothing completes any more
+    assert d.observe_engine(70, 2, 100, None) is not None
+
+
+@pytest.mark.parametrize(
+    ("moving", "reason"),
+    [
+        (True, None),  # a busy API server: /health silent while answers still complete
+        (False, "hang"),
+    ],
+)
+def test_a_silent_health_is_a_hang_only_when_nothing_moves_either(moving: bool, reason: str | None) -> None:
+    d = dog()
+    assert d.observe_health(0, True) is None
+    d.observe_answers(0, 0)
+    result = None
+    for t in range(1, 15):
+        d.observe_answers(t, t if moving else 0)
+        result = d.observe_health(t, False)
+        if result is not None:
+            break
+    assert (result.reason if result else None) == reason
