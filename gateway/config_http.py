@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+# A stream's answer bytes held for one client that reads slower than the engine writes: ~15K tokens of plain
+# chat chunks (~250 bytes a token), so an ordinary answer never waits on its reader, or ~1-2K tokens with top-20
+# logprobs; 1,000 stalled streams hold at most 4 GiB, and --write-timeout frees each within seconds.
+MAX_BUFFERED_BYTES = 4 * 1024 * 1024
+
 
 class HttpFields(BaseModel):
     # -- HTTP limits and timeouts -----------------------------------------------------------------
@@ -55,6 +60,18 @@ class HttpFields(BaseModel):
         description="Largest answer read whole from the upstream on a pass-through route (/tokenize, /detokenize, "
         "/version, --passthrough-route); a larger one is not read further and gets 502. vLLM's /tokenize answers "
         "~20 bytes a token with token_strs: the default covers prompts of ~800K tokens.",
+    )
+
+    max_buffered_bytes: int = Field(
+        MAX_BUFFERED_BYTES, ge=64 * 1024,
+        description="Most answer bytes held for one stream's client that reads slower than the engine writes "
+        "(the engine's stream is read on regardless, so its KV blocks are given back when it ends); past this "
+        "the stream is cut: the engine's request is cancelled and the client gets an error event "
+        "(client_too_slow) and the stream's end.",
+    )
+    write_timeout: float = Field(
+        30.0, gt=0, description="Seconds a client may accept no byte of an answer while the gateway has bytes "
+        "waiting for it; then its connection is closed.",
     )
 
     # -- request templates ------------------------------------------------------------------------

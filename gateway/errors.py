@@ -234,3 +234,11 @@ class HeadersTooLarge(InvalidRequest):
 class TooManyConnections(GatewayError):
     code = "too_many_connections"
     reason = "too_many_connections"
+
+
+class ClientTooSlow(InvalidRequest):
+    """A stream's client let more of its answer wait than ``--max-buffered-bytes``: the stream is cut (told as
+    an error event after the events the client has)."""
+
+    code = "client_too_slow"
+    reason = "client_too_slow"

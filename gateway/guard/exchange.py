@@ -7,13 +7,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncGenerator
+from typing import Any
 
 import orjson
 
 from gateway.admission import Reservation
 from gateway.engine.client import UpstreamStream, decoder_for
 from gateway.engine.engine import Engine
-from gateway.engine.sse import SSEFramer, counts_as_token
+from gateway.engine.sse import SSEFramer
+from gateway.engine.usage import EVERYTHING, StreamUsage, UsageAsk, ask_engine_for_usage
 from gateway.engine.vllm_api import upstream_error_from
 from gateway.errors import BadUpstreamResponse, EngineQueueFull, GatewayError, UpstreamHung
 from gateway.guard.models import Models
@@ -54,6 +56,14 @@ async def open_upstream(
             engine.queue_cap.refused(error.retry_after or 0.0)  # nothing more placed on it for now
         raise error
     return stream
+
+
+def engine_body(route: str, body: dict[str, Any], stream: bool) -> tuple[dict[str, Any], UsageAsk]:
+    """The body sent to the engine, and what of the stream's usage the client asked for: a chat or completions
+    stream asks the engine for its figures (``gateway.engine.usage``); the relay takes out what was not asked."""
+    if stream and route in ("chat", "completions"):
+        return ask_engine_for_usage(body)
+    return body, EVERYTHING
 
 
 def close(parts: Parts, engine: Engine[Models], stream: UpstreamStream) -> None:
@@ -104,15 +114,18 @@ def output_tokens(usage: object) -> int | None:
 
 class EngineStream:
     """One upstream stream relayed one whole event at a time (``SSEFramer``: whatever the upstream's read
-    boundaries), each data event counted as one generated token (vLLM streams each step): cheap progress for
-    admission. A break raises ``GatewayError`` after the last whole event. ``finish`` frees everything exactly
-    once, whether the stream ended, broke, or never started (a client gone before the first event)."""
+    boundaries). The output it generated is the engine's own count (``StreamUsage``: the usage vLLM was asked to
+    send, taken out again where the client did not ask for it), fed to the reservation as it grows. A break
+    raises ``GatewayError`` after the last whole event. ``finish`` frees everything exactly once, whether the
+    stream ended, broke, or never started (a client gone before the first event)."""
 
     def __init__(
-        self, parts: Parts, engine: Engine[Models], route: str, stream: UpstreamStream, reservation: Reservation
+        self, parts: Parts, engine: Engine[Models], route: str, stream: UpstreamStream, reservation: Reservation,
+        ask: UsageAsk = EVERYTHING,
     ) -> None:
         self.parts, self.route, self.stream, self.reservation = parts, route, stream, reservation
         self.engine = engine
+        self.usage = StreamUsage(route, ask)
         self.t0 = time.perf_counter()
         self.outcome = "cancelled"  # until the stream ends or breaks
         self._done = False
@@ -123,7 +136,7 @@ class EngineStream:
     async def events(self) -> AsyncGenerator[bytes, None]:
         framer = SSEFramer(self.parts.settings.max_stream_event_bytes)
         decoder = decoder_for(self.stream.headers)  # an upstream that compressed though asked not to
-        tokens = 0
+        usage = self.usage
         first = True
         progress = self.engine.progress
         try:
@@ -135,21 +148,27 @@ class EngineStream:
                 if first:
                     self.parts.metrics.record_ttft(self.route, time.perf_counter() - self.t0)
                     first = False
-                tokens += sum(1 for event in events if counts_as_token(event))
-                self.reservation.observe_output_tokens(tokens)
+                events = usage.feed(events)
+                self.reservation.observe_output_tokens(usage.generated)
                 for event in events:
                     yield event
-            for event in framer.feed(decoder.finish()) if decoder is not None else ():
+            tail = framer.feed(decoder.finish()) if decoder is not None else []
+            for event in usage.feed(tail + framer.close()) + usage.close():
                 yield event
-            for event in framer.close():
-                yield event
+            self.reservation.observe_output_tokens(usage.generated)
             self.outcome = "ok"
         except GatewayError as exc:
             self.outcome = "error"
+            for event in usage.close():  # chunks held for a usage chunk that will not come
+                yield event
             if self._hang is not None:
                 raise self._hang from exc
             log.warning("stream cut by the upstream: %s", exc.message)
             raise
+        finally:
+            # The engine's request ended (or this stream was closed): its blocks go back now, with whether it
+            # completed, before anything unwinds the pipeline around it (whose own exit would call it cut).
+            self.finish()
 
     def _cut(self, hang: UpstreamHung) -> None:
         self._hang = hang
@@ -157,12 +176,15 @@ class EngineStream:
 
     def finish(self) -> None:
         """Synchronous on purpose: this also runs in a task cancelled because its client went away. A cut
-        stream's short output must not teach admission that outputs are short: only "ok" completes."""
+        stream's short output must not teach admission that outputs are short: only "ok" completes. Called when
+        the events end, and again (a no-op then) when the pipeline closes."""
         if self._done:
             return
         self._done = True
         self.engine.progress.unwatch(self._watch)
         close(self.parts, self.engine, self.stream)
         self.reservation.release(completed=self.outcome == "ok")
+        if self.outcome == "ok" and self.usage.reported:
+            self.parts.metrics.record_output_tokens(self.usage.generated)
         self.parts.metrics.record_upstream_latency(self.route, time.perf_counter() - self.t0)
         self.parts.metrics.record_request(self.route, self.outcome)

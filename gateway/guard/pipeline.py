@@ -24,6 +24,7 @@ from typing import Any
 from gateway import jsonio
 from gateway.admission import Reservation
 from gateway.engine.sse import require_event_stream
+from gateway.engine.usage import EVERYTHING, UsageAsk
 from gateway.engine.vllm_api import ModelList
 from gateway.errors import GatewayError, UpstreamError, UpstreamUnavailable
 from gateway.guard import exchange, planning, pooling
@@ -61,9 +62,10 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
         else:
             booking = await planning.plan_generation(parts, req, limits, ctx.prompt_policy, ctx.outcome)
         grant = await check_tenant_limits(parts, ctx, booking)
-        body = jsonio.dumps(req.body)
+        sent, ask = exchange.engine_body(ctx.route, req.body, booking.stream)
+        body = jsonio.dumps(sent)
         try:
-            async for piece in admit_and_exchange(parts, ctx, body, booking, grant):
+            async for piece in admit_and_exchange(parts, ctx, body, booking, grant, ask):
                 answered = True
                 yield piece
         finally:
@@ -119,7 +121,7 @@ async def check_tenant_limits(parts: Parts, ctx: RequestContext, booking: Bookin
 
 
 async def admit_and_exchange(
-    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, grant: Grant
+    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, grant: Grant, ask: UsageAsk = EVERYTHING
 ) -> AsyncGenerator[Reply, None]:
     """Hold a reservation (waiting in the queue if need be) for the exchange with the engine it was placed on.
     A request that engine failed before anything reached the client is sent once more: to another engine when
@@ -137,7 +139,7 @@ async def admit_and_exchange(
             # May wait for the tenant's KV share and in the queue, or shed with QueueFull / QueueTimeout.
             async with grant.admit(reservation, parts.admission.budget_blocks) as waited_ms:
                 ctx.outcome.queue_ms += waited_ms
-                async for piece in exchange_with_engine(parts, ctx, body, booking, reservation):
+                async for piece in exchange_with_engine(parts, ctx, body, booking, reservation, ask):
                     answered = True
                     yield piece
                 return
@@ -161,7 +163,8 @@ async def admit_and_exchange(
 
 
 async def exchange_with_engine(
-    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, reservation: Reservation
+    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, reservation: Reservation,
+    ask: UsageAsk = EVERYTHING,
 ) -> AsyncGenerator[Reply, None]:
     """Forward and read the answer whole, or open the stream and hand its events to the HTTP layer, holding
     the reservation until the HTTP layer closes this generator. Upstream errors raised here come before
@@ -185,7 +188,7 @@ async def exchange_with_engine(
     except GatewayError:
         exchange.close(parts, engine, stream)
         raise
-    relay = exchange.EngineStream(parts, engine, ctx.route, stream, reservation)
+    relay = exchange.EngineStream(parts, engine, ctx.route, stream, reservation, ask)
     ctx.outcome.output = reservation  # counts the stream's tokens as they are relayed
     try:
         headers = {**ctx.outcome.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"}

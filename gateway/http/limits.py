@@ -18,6 +18,7 @@ class ConnectionLimits:
     keep_alive_timeout: float
     max_connections: int
     body: BodyLimits
+    write_timeout: float = 30.0
 
     @classmethod
     def of(cls, settings: Settings) -> ConnectionLimits:
@@ -28,4 +29,5 @@ class ConnectionLimits:
             keep_alive_timeout=settings.keep_alive_timeout,
             max_connections=settings.max_connections,
             body=BodyLimits.of(settings),
+            write_timeout=settings.write_timeout,
         )

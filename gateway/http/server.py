@@ -10,7 +10,9 @@ connection and at no per-request cost beyond a few attribute updates:
 - a ``Content-Length`` above ``--max-body-bytes``, absurd ones included, refused before the app runs (413),
   and a cap on open connections (503 with ``Retry-After``);
 - every refusal in OpenAI's JSON shape with ``connection: close``, then a short lingering close so that a
-  client still sending reads the answer instead of a reset.
+  client still sending reads the answer instead of a reset;
+- a write timeout (``stall``): a client that accepts no byte of its answer for ``--write-timeout`` seconds
+  while its send buffer is full is cut.
 
 The body's limits hold with one rule (``body.BodyLimits``) in two places: ``body.read_body`` checks each chunk,
 and the connection's one timer cuts a body that stops arriving (noticing silence needs a timer; one per request
@@ -44,6 +46,7 @@ from gateway.errors import (
 from gateway.http.body import body_too_slow
 from gateway.http.errors import error_body, error_headers, status_and_type
 from gateway.http.limits import ConnectionLimits
+from gateway.http.stall import WriteStall
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +101,7 @@ class GuardProtocol(HttpToolsProtocol):
     # and every attribute access of the protocol, uvicorn's included, got slower (measured: +5 us a request).
     __slots__ = (
         "_begin_read_len", "_body_raw", "_body_start", "_content_length", "_deadline", "_deferred", "_head_raw",
-        "_messages", "_phase", "_read_len", "_refusal", "_timer", "_timer_at",
+        "_messages", "_phase", "_read_len", "_refusal", "_stall", "_timer", "_timer_at",
     )
 
     def __init__(
@@ -122,6 +125,7 @@ class GuardProtocol(HttpToolsProtocol):
         self._body_raw = 0  # bytes of reads that ended with the current request's body still incomplete
         self._refusal: GatewayError | None = None
         self._deferred: GatewayError | None = None  # a refusal waiting for the answer before it
+        self._stall = WriteStall(self.loop, self.limits.write_timeout)
 
     # -- the one timer ----------------------------------------------------------------------------
     def _arm(self, phase: int, deadline: float) -> None:
@@ -151,6 +155,15 @@ class GuardProtocol(HttpToolsProtocol):
             self._deadline = None
             self.transport.close()
 
+    # -- the write timeout (``stall``) -------------------------------------------------------------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._stall.paused(self.transport)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stall.resumed()
+
     # -- connection events ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -166,6 +179,7 @@ class GuardProtocol(HttpToolsProtocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._stall.resumed()
         self._deadline = None
         super().connection_lost(exc)
 

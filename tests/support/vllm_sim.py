@@ -270,12 +270,16 @@ class _SimApp:
 
     def _kv_keys(self, body: dict[str, Any]) -> dict[str, Any]:
         """``Plan`` fields beyond the prompts: what keys its KV blocks (its LoRA adapter and cache salt), the
-        model name responses carry, and whether usage has details. Call after the checks."""
+        model name responses carry, whether usage has details, the stream's interval and the fingerprint. Call
+        after the checks."""
         salt = body.get("cache_salt")
         model = body.get("model")
         lora = (model, self.config.lora_modules[model]) if model in self.config.lora_modules else None
+        interval = body.get("stream_interval")  # validated by the request's model
         return {"lora": lora, "cache_salt": salt, "model": model if lora else self.config.model,
-                "prompt_details": self.config.enable_prompt_tokens_details}
+                "prompt_details": self.config.enable_prompt_tokens_details,
+                "stream_interval": max(interval if isinstance(interval, int) else 1, self.config.stream_interval),
+                "fingerprint": self.config.system_fingerprint}
 
     def _length_asks(self, body: dict[str, Any], max_tokens: list[int]) -> dict[str, Any]:
         """``Plan`` fields for the sampler's say on the length: ``min_tokens`` (checked as vLLM's

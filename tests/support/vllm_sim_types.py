@@ -65,6 +65,10 @@ class SimConfig:
     data_parallel_size: int = 1
     # --watermark: fraction of the blocks kept free when admitting beside running requests (0: off).
     watermark: float = 0.0
+    # --stream-interval: tokens per stream chunk at most (a request's own stream_interval may raise it).
+    stream_interval: int = 1
+    # The system_fingerprint vLLM's default --fingerprint-mode full writes ("vllm-0.32.0-..."); None: mode none.
+    system_fingerprint: str | None = None
 
 
 def lognormal_lengths(mean: float, sigma: float, seed: int = 0) -> Callable[[int, int], int]:

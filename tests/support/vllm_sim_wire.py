@@ -39,6 +39,7 @@ class ChatBody(BaseModel):
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
     ignore_eos: bool = False
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
@@ -59,6 +60,7 @@ class CompletionBody(BaseModel):
     n: int = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    stream_interval: Annotated[int, Field(ge=1)] | None = None
     ignore_eos: bool = False
     add_special_tokens: bool = True
 
@@ -88,6 +90,11 @@ class Plan:
     # What ends answers before max_tokens: EOS masked for min_tokens tokens, and the logit bias on EOS.
     min_tokens: int = 0
     eos_bias: float = 0.0
+    # Tokens per stream chunk at most, as vLLM's output processor sends them: the first token at once, then
+    # every ``stream_interval`` tokens and at the end (the larger of the request's and the server's).
+    stream_interval: int = 1
+    # Stamped on full answers, on the usage chunk, and (without usage) on each choice's last chunk.
+    fingerprint: str | None = None
 
 
 def token_text(start: int, end: int) -> str:
@@ -110,13 +117,14 @@ def full_body(plan: Plan, seqs: list[Sequence], model: str) -> dict[str, Any]:
              "routed_experts": None} for s in seqs]
         return {"id": plan.request_id, "object": "chat.completion", "created": created,
                 "model": model, "choices": choices, "service_tier": None,
-                "system_fingerprint": None, "usage": usage, "prompt_logprobs": None, "prompt_token_ids": None,
-                "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+                "system_fingerprint": plan.fingerprint, "usage": usage, "prompt_logprobs": None,
+                "prompt_token_ids": None, "prompt_text": None, "kv_transfer_params": None, "ec_transfer_params": None,
+                "metrics": None}
     choices = [{"index": s.index, "text": token_text(0, s.generated), "logprobs": None,
                 "finish_reason": s.finish_reason, "stop_reason": None, "token_ids": None,
                 "prompt_logprobs": None, "prompt_token_ids": None, "routed_experts": None} for s in seqs]
     return {"id": plan.request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "service_tier": None, "system_fingerprint": None, "usage": usage,
+            "choices": choices, "service_tier": None, "system_fingerprint": plan.fingerprint, "usage": usage,
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
 
 
@@ -160,9 +168,16 @@ class SseWriter:
                 chunks.append(self._chunk({"index": i, "delta": {"role": plan.role, "content": ""},
                                            "logprobs": None, "finish_reason": None}, usage,
                                           b',"prompt_token_ids":null,"prompt_text":null'))
-        for k in range(self.done[index], generated):
-            last = k == generated - 1 and finish is not None
-            text = _WORDS[k % len(_WORDS)]
+        sent = self.done[index]
+        if plan.stream_interval > 1:
+            if finish is None and sent > 0 and generated - sent < plan.stream_interval:
+                return chunks  # vLLM's output processor holds them until the interval fills or the end
+            spans = [(sent, generated)] if generated > sent else []
+        else:
+            spans = [(k, k + 1) for k in range(sent, generated)]
+        for start, end in spans:
+            last = end == generated and finish is not None
+            text = token_text(start, end)
             choice: dict[str, Any]
             if plan.chat:
                 choice = {"index": index, "delta": {"content": text}, "logprobs": None,
@@ -173,7 +188,10 @@ class SseWriter:
             else:
                 choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish if last else None,
                           "stop_reason": None, "prompt_token_ids": None, "token_ids": None}
-            chunks.append(self._chunk(choice, self._usage(index, k + 1) if plan.continuous_usage else None))
+            stamp = b""
+            if last and plan.fingerprint is not None and not plan.include_usage:
+                stamp = b',"system_fingerprint":' + orjson.dumps(plan.fingerprint)
+            chunks.append(self._chunk(choice, self._usage(index, end) if plan.continuous_usage else None, stamp))
         self.done[index] = max(self.done[index], generated)
         return chunks
 
@@ -192,7 +210,8 @@ class SseWriter:
             if self.plan.chat:
                 details["created_cache_tokens"] = first.created_cache_tokens
             usage["prompt_tokens_details"] = details
-        return self.head + b',"choices":[],"usage":' + orjson.dumps(usage) + b"}\n\n"
+        stamp = b',"system_fingerprint":' + orjson.dumps(self.plan.fingerprint) if self.plan.fingerprint else b""
+        return self.head + b',"choices":[],"usage":' + orjson.dumps(usage) + stamp + b"}\n\n"
 
 
 def clean_loc(loc: Any) -> str:

@@ -1,0 +1,241 @@
+"""What a stream generated, by the engine's own count, and the stream as its client asked for it.
+
+vLLM sends one event per engine step and request, not one per token: with ``stream_interval`` (the request's,
+or the server's ``--stream-interval``) or speculative decoding an event carries many tokens, so counting events
+undercounts (one event of 1,000 tokens). The gateway therefore asks vLLM for usage on every chat and
+completions stream (``stream_options.include_usage`` and ``continuous_usage_stats``: each chunk then carries its
+choice's running count, a last chunk the total) and takes its figures from there. What the client did not ask
+for is taken out of the relayed stream, so that it receives the bytes vLLM would have sent it:
+
+- the per-chunk ``usage`` field, unless the client asked for ``continuous_usage_stats``;
+- the final usage-only chunk, unless it asked for ``include_usage``. vLLM then stamps ``system_fingerprint`` on
+  each choice's last chunk instead (it does not when usage follows), so those chunks wait for the usage chunk,
+  which tells the fingerprint: no wait with ``n`` = 1, where the usage chunk follows at once.
+
+The Responses API has no running count: its progress is one token per ``*.delta`` event (a lower bound) until
+the closing event's ``response.usage.output_tokens``. An engine that reports nothing (it ignored the options)
+is counted as before, one token per data event that carries choices.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+_USAGE_KEY = b',"usage":'
+_FINAL = b'"choices":[]'
+_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
+_DATA = b"data: "
+_DONE = b"data: [DONE]"
+_CLOSING = (b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")
+
+
+@dataclass(frozen=True, slots=True)
+class UsageAsk:
+    """What the client itself asked of a stream's usage: the final usage chunk, usage on every chunk."""
+
+    final: bool = True
+    continuous: bool = True
+
+
+# The client asked for everything the engine sends: nothing is taken out.
+EVERYTHING = UsageAsk()
+
+
+def ask_engine_for_usage(body: dict[str, Any]) -> tuple[dict[str, Any], UsageAsk]:
+    """A chat or completions stream's body as sent to the engine (usage on every chunk) and what the client
+    asked. Options the engine would read otherwise than as booleans (``"include_usage": 1``) are sent as they
+    are, so that the engine's own answer (its validation error, its reading) stays what it would have been."""
+    options = body.get("stream_options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        return body, EVERYTHING
+    include, continuous = options.get("include_usage"), options.get("continuous_usage_stats")
+    if not all(v is None or isinstance(v, bool) for v in (include, continuous)):
+        return body, EVERYTHING
+    ask = UsageAsk(final=include is True, continuous=include is True and continuous is True)
+    if ask == EVERYTHING:
+        return body, ask
+    sent = {**options, "include_usage": True, "continuous_usage_stats": True}
+    return {**body, "stream_options": sent}, ask
+
+
+class StreamUsage:
+    """Reads the engine's counts off a stream's whole events and gives back the events its client asked for.
+
+    ``generated``: output tokens so far, summed over the choices; ``reported``: whether the engine's final
+    figure was seen (the count is exact)."""
+
+    __slots__ = ("_all", "_ask", "_events", "_held", "_hold", "_per_choice", "_responses", "generated", "reported")
+
+    def __init__(self, route: str, ask: UsageAsk) -> None:
+        self._ask = ask
+        self._all = ask == EVERYTHING  # nothing to take out: the events go as they came
+        self._responses = route == "responses"
+        self._hold = not ask.final  # the usage chunk carries the fingerprint vLLM would stamp on last chunks
+        self._per_choice: dict[int, int] = {}
+        self._events = 0  # the fallback's count: data events with choices
+        self._held: list[bytes] = []
+        self.generated = 0
+        self.reported = False
+
+    def feed(self, events: list[bytes]) -> list[bytes]:
+        """The events to relay for ``events``, in order (some held back or taken out)."""
+        if self._responses:
+            for event in events:
+                self._responses_event(event)
+            return events
+        if self._all:
+            for event in events:
+                self._chunk(event)
+            return events
+        out: list[bytes] = []
+        for event in events:
+            out.extend(self._chunk(event))
+        return out
+
+    def close(self) -> list[bytes]:
+        """At the stream's end (or break): the events still held, as they came."""
+        held, self._held = self._held, []
+        return held
+
+    # -- chat and completions -----------------------------------------------------------------------
+    def _chunk(self, event: bytes) -> list[bytes]:
+        if not event.startswith(_DATA) or event.startswith(_DONE):
+            held, self._held = self._held, []
+            return [*held, event]
+        at = event.rfind(_USAGE_KEY)
+        if at < 0:
+            if b'"usage"' in event:
+                return self._parsed_chunk(event)
+            if b'"choices":[{' in event and b'"delta":{"role"' not in event and not self._per_choice:
+                self._events += 1
+                self.generated = max(self.generated, self._events)
+            return self._maybe_hold(event)
+        start = at + len(_USAGE_KEY)
+        end = _object_end(event, start)
+        if end < 0:
+            return self._parsed_chunk(event)
+        try:
+            usage = orjson.loads(event[start:end])
+        except orjson.JSONDecodeError:
+            return self._parsed_chunk(event)
+        if event.find(_FINAL, 0, at) >= 0:
+            return self._final(event, usage)
+        match = _INDEX.search(event, 0, at)
+        if match is None:
+            return self._parsed_chunk(event)
+        self._running(int(match.group(1)), usage)
+        if not self._ask.continuous:
+            event = event[:at] + event[end:]
+        return self._maybe_hold(event)
+
+    def _running(self, index: int, usage: Any) -> None:
+        count = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(count, int) and not isinstance(count, bool) and not self.reported:
+            self._per_choice[index] = count
+            self.generated = max(self.generated, sum(self._per_choice.values()))
+
+    def _final(self, event: bytes, usage: Any) -> list[bytes]:
+        count = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(count, int) and not isinstance(count, bool):
+            self.generated = count
+            self.reported = True
+        held, self._held = self._held, []
+        if held:
+            fingerprint = _fingerprint(event)
+            held = [_stamped(chunk, fingerprint) for chunk in held] if fingerprint is not None else held
+        return [*held, event] if self._ask.final else held
+
+    def _maybe_hold(self, event: bytes) -> list[bytes]:
+        if self._hold and b'"finish_reason":"' in event:
+            self._held.append(event)
+            return []
+        return [event]
+
+    def _parsed_chunk(self, event: bytes) -> list[bytes]:
+        """The slow path, for a chunk not written as vLLM writes them: parsed and, if changed, written again."""
+        try:
+            data = orjson.loads(event[len(_DATA):])
+        except orjson.JSONDecodeError:
+            return [event]
+        if not isinstance(data, dict) or not isinstance(data.get("usage"), dict):
+            return self._maybe_hold(event)
+        choices = data.get("choices")
+        if choices == []:
+            return self._final(event, data["usage"])
+        if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)
+                and isinstance(choices[0].get("index"), int)):
+            return [event]
+        self._running(choices[0]["index"], data["usage"])
+        if not self._ask.continuous:
+            del data["usage"]
+            event = _DATA + orjson.dumps(data) + b"\n\n"
+        return self._maybe_hold(event)
+
+    # -- responses ----------------------------------------------------------------------------------
+    def _responses_event(self, event: bytes) -> None:
+        if self.reported:
+            return
+        head, _, _ = event.partition(b"\n")
+        if head.startswith(b"event: response.") and head.endswith(b".delta"):
+            self._events += 1
+            self.generated = max(self.generated, self._events)
+        elif event.startswith(_CLOSING):
+            count = _responses_output_tokens(event)
+            if count is not None:
+                self.generated = count
+                self.reported = True
+
+
+def _object_end(data: bytes, start: int) -> int:
+    """The end of the JSON object at ``start`` (a usage figure: numbers and objects of numbers), or -1. Braces
+    are matched with ``find`` and ``count``, at C speed; the caller's parse checks what they enclose."""
+    if data[start : start + 1] != b"{":
+        return -1
+    end = start
+    while True:
+        end = data.find(b"}", end + 1)
+        if end < 0:
+            return -1
+        if data.count(b"{", start, end) == data.count(b"}", start, end + 1):
+            return end + 1
+
+
+def _fingerprint(event: bytes) -> str | None:
+    try:
+        data = orjson.loads(event[len(_DATA):])
+    except orjson.JSONDecodeError:
+        return None
+    value = data.get("system_fingerprint") if isinstance(data, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def _stamped(chunk: bytes, fingerprint: str) -> bytes:
+    """A choice's last chunk as vLLM writes it without usage: ``system_fingerprint`` after ``choices``."""
+    if chunk.endswith(b"]}\n\n"):
+        return chunk[:-3] + b',"system_fingerprint":' + orjson.dumps(fingerprint) + b"}\n\n"
+    try:
+        data = orjson.loads(chunk[len(_DATA):])
+    except orjson.JSONDecodeError:
+        return chunk
+    if not isinstance(data, dict):
+        return chunk
+    data["system_fingerprint"] = fingerprint
+    return _DATA + orjson.dumps(data) + b"\n\n"
+
+
+def _responses_output_tokens(event: bytes) -> int | None:
+    _, _, rest = event.partition(b"\ndata: ")
+    try:
+        data = orjson.loads(rest)
+    except orjson.JSONDecodeError:
+        return None
+    response = data.get("response") if isinstance(data, dict) else None
+    usage = response.get("usage") if isinstance(response, dict) else None
+    count = usage.get("output_tokens") if isinstance(usage, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None

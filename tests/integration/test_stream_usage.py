@@ -1,0 +1,174 @@
+"""A stream's output is counted from the engine's own figures: with the per-request ``stream_interval: 1000``
+vLLM sends hundreds of tokens in one event, and the tenant's usage, its per-minute window and the reservation
+(what admission learns of output lengths) all get the engine's true count. The client receives the stream
+vLLM would have sent it: no usage chunk, no per-chunk usage and the system fingerprint where vLLM puts it, unless
+it asked for usage itself."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from gateway.admission import Reservation
+from gateway.config import Settings
+from tests.support.harness import GatewayServer, run_gateway
+from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+
+OUTPUT = 600  # the engine stops every answer here
+KEY, ADMIN = "sk-usage-tenant-01", "sk-usage-admin-02"
+FINGERPRINT = "vllm-0.32.0-0f1e2d3c"
+KEYS = f"""\
+tenants:
+  app:
+    limits: {{tokens_per_minute: 1000000}}
+    keys: [{KEY}]
+"""
+
+
+@pytest.fixture(scope="module")
+def sim(tokenizer: Any, tokenizer_dir: Path) -> Iterator[SimServer]:
+    config = SimConfig(model="tiny", root=str(tokenizer_dir), tokenizer=tokenizer, max_model_len=2048,
+                       num_blocks=512, block_size=16, stop_early=lambda index, max_tokens: OUTPUT,
+                       system_fingerprint=FINGERPRINT)
+    with run_sim_server(config) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gw(sim: SimServer, tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.yaml"
+    keys.write_text(KEYS, encoding="utf-8")
+    settings = Settings(tokenizer=str(tokenizer_dir), scrape_interval=0.05, queue_timeout=5.0, read_timeout=5.0,
+                        upstream=sim.url, keys_file=str(keys), admin_api_key=[ADMIN])
+    with run_gateway(settings) as server:
+        yield server
+
+
+@dataclass(frozen=True)
+class Stream:
+    id: str
+    route: str
+    options: dict[str, Any] | None  # the client's stream_options
+    n: int = 1
+    interval: int | None = 1000
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 1000, "n": self.n, "stream": True}
+        if self.route == "chat":
+            body["messages"] = [{"role": "user", "content": "count for me"}]
+        else:
+            body["prompt"] = "count for me"
+        if self.interval is not None:
+            body["stream_interval"] = self.interval
+        if self.options is not None:
+            body["stream_options"] = self.options
+        return body
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.route == "chat" else "/v1/completions"
+
+
+USAGE, CONTINUOUS = {"include_usage": True}, {"include_usage": True, "continuous_usage_stats": True}
+STREAMS = [
+    Stream("chat, no usage asked", "chat", None),
+    Stream("chat, usage asked", "chat", USAGE),
+    Stream("chat, continuous usage asked", "chat", CONTINUOUS),
+    Stream("chat, n=3, no usage asked", "chat", None, n=3),
+    Stream("chat, one token an event", "chat", None, interval=None),
+    Stream("completions, no usage asked", "completions", None),
+    Stream("completions, n=2, usage asked", "completions", USAGE, n=2),
+]
+
+
+@dataclass
+class Made:
+    reservation: Reservation
+    learned: list[int | None]  # its completed output as admission reads it when it is given back
+
+    @property
+    def generated(self) -> int:
+        return self.reservation.generated
+
+
+def captured(gw: GatewayServer) -> list[Made]:
+    """The reservations the gateway makes from now on (its admission's factory, wrapped)."""
+    admission = gw.parts.admission
+    made: list[Made] = []
+    make = admission.reservation
+
+    def wrapped(**kw: Any) -> Reservation:
+        r = make(**kw)
+        seen = Made(r, [])
+        release = r.release
+
+        def released(*, completed: bool = True) -> None:
+            release(completed=completed)
+            seen.learned.append(r.completed_output)
+
+        r.release = released  # type: ignore[method-assign]
+        made.append(seen)
+        return r
+
+    admission.reservation = wrapped  # type: ignore[method-assign]
+    return made
+
+
+def completion_tokens(gw: GatewayServer) -> int:
+    r = httpx.get(gw.url + "/guard/usage", headers={"authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200, r.text
+    return int(r.json()["tenants"]["app"]["completion_tokens"])
+
+
+def events(body: bytes) -> list[bytes]:
+    return [e + b"\n\n" for e in body.split(b"\n\n") if e]
+
+
+def normalised(stream: list[bytes]) -> list[bytes]:
+    return [re.sub(rb'"created":\d+', b'"created":0', e) for e in stream]
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in STREAMS])
+def test_the_engines_count_is_learned_and_the_client_gets_what_vllm_would_send(
+    gw: GatewayServer, sim: SimServer, case: Stream
+) -> None:
+    made = captured(gw)
+    before = completion_tokens(gw)
+    rid = f"usage-{abs(hash(case.id))}"
+    headers = {"authorization": f"Bearer {KEY}", "x-request-id": rid}
+    through = httpx.post(gw.url + case.path, json=case.body(), headers=headers, timeout=30)
+    assert through.status_code == 200, through.text
+    direct = httpx.post(sim.url + case.path, json=case.body(), headers={"x-request-id": rid}, timeout=30)
+    # Byte for byte what vLLM sends this request directly (only the clock's second may differ).
+    assert normalised(events(through.content)) == normalised(events(direct.content))
+    chunks = [orjson.loads(e[6:]) for e in events(through.content) if e != b"data: [DONE]\n\n"]
+    asked = case.options or {}
+    assert any(c["choices"] == [] for c in chunks) == bool(asked.get("include_usage"))
+    assert any("usage" in c for c in chunks if c["choices"]) == bool(asked.get("continuous_usage_stats"))
+    last = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert len(last) == case.n
+    assert all(("system_fingerprint" in c) == (not asked.get("include_usage")) for c in last)
+    gw.wait_ledger_empty()
+    (reservation,) = made
+    assert reservation.generated == case.n * OUTPUT
+    assert reservation.learned[0] == OUTPUT
+    assert completion_tokens(gw) - before == case.n * OUTPUT
+
+
+def test_a_responses_stream_is_settled_to_the_engines_figure(gw: GatewayServer) -> None:
+    made = captured(gw)
+    before = completion_tokens(gw)
+    body = {"model": "tiny", "input": "count for me", "max_output_tokens": 1000, "stream": True}
+    r = httpx.post(gw.url + "/v1/responses", json=body, headers={"authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    gw.wait_ledger_empty()
+    (reservation,) = made
+    assert reservation.generated == OUTPUT and reservation.learned[0] == OUTPUT
+    assert completion_tokens(gw) - before == OUTPUT

@@ -1,0 +1,207 @@
+"""The engine's figures of a stream's output, and the stream as its client asked for it: vLLM is asked for
+usage on every chunk, the count comes from there (not from the number of events), and the client gets the bytes
+vLLM would have sent it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.engine.usage import EVERYTHING, StreamUsage, UsageAsk, ask_engine_for_usage
+
+HEAD = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny"'
+CHEAD = b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"tiny"'
+FP = "vllm-0.32.0-abcd1234"
+
+
+def usage(prompt: int, completion: int) -> bytes:
+    return orjson.dumps({"prompt_tokens": prompt, "total_tokens": prompt + completion,
+                         "completion_tokens": completion})
+
+
+def chat(index: int, content: str, done: int | None, finish: str | None = None, *, role: bool = False,
+         fingerprint: str | None = None) -> bytes:
+    """A chat chunk as vLLM 0.32 writes it; ``done``: the choice's running count (continuous usage) or None."""
+    delta = {"role": "assistant", "content": ""} if role else {"content": content}
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    out = HEAD + b',"choices":[' + orjson.dumps(choice) + b"]"
+    if done is not None:
+        out += b',"usage":' + usage(5, done)
+    if fingerprint is not None:
+        out += b',"system_fingerprint":' + orjson.dumps(fingerprint)
+    if role:
+        out += b',"prompt_token_ids":null,"prompt_text":null'
+    return out + b"}\n\n"
+
+
+def final(completion: int, fingerprint: str | None = FP) -> bytes:
+    fp = b',"system_fingerprint":' + orjson.dumps(fingerprint) if fingerprint else b""
+    return HEAD + b',"choices":[],"usage":' + usage(5, completion) + fp + b"}\n\n"
+
+
+def completion(index: int, text: str, done: int | None, finish: str | None = None) -> bytes:
+    choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": None}
+    out = CHEAD + b',"choices":[' + orjson.dumps(choice) + b"]"
+    if done is not None:
+        out += b',"usage":' + usage(3, done)
+    return out + b"}\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+def engine_stream(n: int, steps: list[int], *, fingerprint: str | None = FP) -> list[bytes]:
+    """What vLLM sends when asked for usage on every chunk: ``steps`` tokens per event for each of ``n``
+    choices, then the usage chunk and [DONE]."""
+    events = [chat(i, "", 0, role=True) for i in range(n)]
+    for i in range(n):
+        done = 0
+        for k, step in enumerate(steps):
+            done += step
+            events.append(chat(i, "x" * step, done, "length" if k == len(steps) - 1 else None))
+    return [*events, final(n * sum(steps), fingerprint), DONE]
+
+
+def client_stream(n: int, steps: list[int], ask: UsageAsk, *, fingerprint: str | None = FP) -> list[bytes]:
+    """What vLLM sends a client that asked ``ask`` (the same stream, without what was not asked)."""
+    cont = ask.continuous
+    events = [chat(i, "", 0 if cont else None, role=True) for i in range(n)]
+    for i in range(n):
+        done = 0
+        for k, step in enumerate(steps):
+            done += step
+            last = k == len(steps) - 1
+            stamp = fingerprint if last and not ask.final else None
+            events.append(chat(i, "x" * step, done if cont else None, "length" if last else None,
+                               fingerprint=stamp))
+    tail = [final(n * sum(steps), fingerprint)] if ask.final else []
+    return [*events, *tail, DONE]
+
+
+def relay(events: list[bytes], ask: UsageAsk, route: str = "chat", reads: int = 1) -> tuple[list[bytes], StreamUsage]:
+    meter = StreamUsage(route, ask)
+    out: list[bytes] = []
+    size = max(1, len(events) // reads)
+    for i in range(0, len(events), size):
+        out += meter.feed(events[i : i + size])
+    return out + meter.close(), meter
+
+
+@dataclass(frozen=True)
+class Asked:
+    id: str
+    options: Any
+    ask: UsageAsk
+    sent: Any  # the stream_options the engine gets
+
+
+ASKS = [
+    Asked("no options", None, UsageAsk(False, False), {"include_usage": True, "continuous_usage_stats": True}),
+    Asked("usage asked", {"include_usage": True}, UsageAsk(True, False),
+          {"include_usage": True, "continuous_usage_stats": True}),
+    Asked("continuous asked", {"include_usage": True, "continuous_usage_stats": True}, EVERYTHING,
+          {"include_usage": True, "continuous_usage_stats": True}),
+    Asked("continuous without usage (vLLM sends none)", {"continuous_usage_stats": True}, UsageAsk(False, False),
+          {"include_usage": True, "continuous_usage_stats": True}),
+    Asked("usage declined", {"include_usage": False}, UsageAsk(False, False),
+          {"include_usage": True, "continuous_usage_stats": True}),
+    Asked("other options kept", {"x": 1}, UsageAsk(False, False),
+          {"x": 1, "include_usage": True, "continuous_usage_stats": True}),
+    Asked("a value vLLM reads its own way is sent as it is", {"include_usage": 1}, EVERYTHING,
+          {"include_usage": 1}),
+]
+
+
+class TestWhatTheEngineIsAsked:
+    @pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in ASKS])
+    def test_every_stream_asks_for_usage_on_every_chunk_and_remembers_what_the_client_asked(self, case: Asked) -> None:
+        body: dict[str, Any] = {"model": "tiny", "stream": True}
+        if case.options is not None:
+            body["stream_options"] = case.options
+        sent, ask = ask_engine_for_usage(body)
+        assert ask == case.ask
+        assert sent["stream_options"] == case.sent
+        assert body.get("stream_options") == case.options  # the client's body is not changed in place
+
+
+@pytest.mark.parametrize("ask", [UsageAsk(False, False), UsageAsk(True, False), EVERYTHING],
+                         ids=["nothing asked", "usage asked", "continuous asked"])
+@pytest.mark.parametrize("n,steps", [(1, [1, 1, 1]), (1, [1, 1000, 599]), (3, [1, 400, 100]), (2, [1])],
+                         ids=["one token a step", "stream_interval 1000", "n=3 with an interval", "n=2 one token"])
+@pytest.mark.parametrize("reads", [1, 3], ids=["one read", "three reads"])
+def test_the_client_gets_what_vllm_would_have_sent_it_and_the_count_is_the_engines(
+    ask: UsageAsk, n: int, steps: list[int], reads: int
+) -> None:
+    out, meter = relay(engine_stream(n, steps), ask, reads=reads)
+    expected = client_stream(n, steps, ask)
+    # Chunks of other choices may pass a choice's last chunk held for the fingerprint; each choice keeps its order.
+    assert sorted(out) == sorted(expected)
+    for i in range(n):
+        mine = [e for e in expected if b'"index":%d,' % i in e]
+        assert [e for e in out if b'"index":%d,' % i in e] == mine
+    assert out[-1] == DONE
+    assert meter.generated == n * sum(steps) and meter.reported
+
+
+def test_one_event_of_many_tokens_counts_all_of_them_as_it_arrives() -> None:
+    meter = StreamUsage("chat", UsageAsk(False, False))
+    meter.feed([chat(0, "", 0, role=True), chat(0, "a", 1)])
+    assert meter.generated == 1
+    meter.feed([chat(0, "b" * 1000, 1001)])
+    assert meter.generated == 1001 and not meter.reported
+
+
+def test_a_fingerprint_waits_only_for_the_usage_chunk_and_no_fingerprint_stamps_nothing() -> None:
+    ask = UsageAsk(False, False)
+    out, _ = relay(engine_stream(1, [1, 2], fingerprint=None), ask)
+    assert out == client_stream(1, [1, 2], ask, fingerprint=None)
+    meter = StreamUsage("chat", ask)
+    assert meter.feed([chat(0, "x", 1, "stop")]) == []  # held for the fingerprint the usage chunk tells
+    assert meter.feed([final(1)]) == [chat(0, "x", None, "stop", fingerprint=FP)]
+
+
+def test_a_stream_that_breaks_before_its_usage_chunk_gives_back_what_was_held() -> None:
+    meter = StreamUsage("chat", UsageAsk(False, False))
+    assert meter.feed([chat(0, "x", 1, "stop")]) == []
+    assert meter.close() == [chat(0, "x", None, "stop")]
+    assert meter.generated == 1 and not meter.reported
+
+
+def test_completions_with_several_prompts_sum_every_choice() -> None:
+    events = [completion(0, "a", 1), completion(1, "bb", 2), completion(0, "c" * 10, 11, "length"),
+              completion(1, "d", 3, "stop")]
+    meter = StreamUsage("completions", EVERYTHING)
+    assert meter.feed(events) == events
+    assert meter.generated == 14
+
+
+def test_a_chunk_written_otherwise_than_vllm_writes_it_is_still_read_and_cleaned() -> None:
+    spaced = b'data: {"id": "c", "choices": [{"index": 0, "text": "ab", "finish_reason": null}], ' \
+             b'"usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}\n\n'
+    meter = StreamUsage("completions", UsageAsk(True, False))
+    (out,) = meter.feed([spaced])
+    assert meter.generated == 2
+    assert orjson.loads(out[6:]) == {"id": "c", "choices": [{"index": 0, "text": "ab", "finish_reason": None}]}
+
+
+def test_an_engine_that_reports_nothing_is_counted_one_token_per_event() -> None:
+    events = [chat(0, "", None, role=True), chat(0, "a", None), chat(0, "b", None, "stop"), DONE]
+    out, meter = relay(events, EVERYTHING)
+    assert out == events and meter.generated == 2 and not meter.reported
+
+
+def responses_event(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
+
+
+def test_responses_count_deltas_until_the_closing_event_tells_the_engines_figure() -> None:
+    deltas = [responses_event("response.output_text.delta", {"delta": "x" * 50}) for _ in range(3)]
+    closing = responses_event("response.completed", {"response": {"usage": {"output_tokens": 150}}})
+    meter = StreamUsage("responses", EVERYTHING)
+    assert meter.feed(deltas) == deltas
+    assert meter.generated == 3 and not meter.reported  # a lower bound: an event may carry many tokens
+    assert meter.feed([closing]) == [closing]
+    assert meter.generated == 150 and meter.reported
