@@ -17,6 +17,8 @@ from gateway.metrics_tenants import TenantMetrics
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 19))  # 16 .. 262144
 # Tokenization runs from ~50 us (short chat) to ~50 ms (32K tokens).
 TOKENIZE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# Event loop lag: ~0.1 ms on an idle gateway; past 0.25 s every client notices.
+LOOP_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Upstream latency: from sub-ms (cached, tiny) through minutes (long generations).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Time to first token: prefill of long prompts under load takes seconds, queueing can add more.
@@ -69,6 +71,11 @@ class Metrics(TenantMetrics):
         self.tokenize_seconds = Histogram(
             "vllm_guard_tokenization_seconds", "Time to count a request's prompt tokens.",
             buckets=TOKENIZE_BUCKETS, registry=r,
+        )
+        # A histogram, not a gauge of the latest reading: a stall between two scrapes still shows in its buckets.
+        self.loop_lag = Histogram(
+            "vllm_guard_event_loop_lag_seconds", "How much later than due the event loop woke a timer (every 0.1 s).",
+            buckets=LOOP_LAG_BUCKETS, registry=r,
         )
         self.upstream_seconds = Histogram(
             "vllm_guard_upstream_latency_seconds", "Upstream time from request sent to last byte, by route.",
@@ -228,6 +235,9 @@ class Metrics(TenantMetrics):
     def record_counted(self, prompt_tokens: int, seconds: float) -> None:
         self.prompt_tokens.observe(prompt_tokens)
         self.tokenize_seconds.observe(seconds)
+
+    def record_loop_lag(self, seconds: float) -> None:
+        self.loop_lag.observe(seconds)
 
     def record_truncation(self, route: str, removed_tokens: int) -> None:
         self.truncations.labels(route).inc()

@@ -7,6 +7,7 @@ on this hardware, aiohttp ~4,000. Transport failures become ``GatewayError``s he
 from __future__ import annotations
 
 import logging
+import warnings
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -172,7 +173,7 @@ class Upstream:
         """Send a request and return once the response headers arrived; the caller closes it."""
         url = self._url(path)
         # Redirects are not followed: the gateway talks to one engine, by the paths of its route table.
-        kwargs: dict[str, Any] = {"data": body, "headers": self._headers(headers), "allow_redirects": False}
+        kwargs: dict[str, Any] = {"data": _payload(body), "headers": self._headers(headers), "allow_redirects": False}
         if params:
             kwargs["params"] = params
         if timeout is not None:
@@ -298,3 +299,14 @@ def decoder_for(headers: Mapping[str, str]) -> BodyDecoder | None:
 def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """Upstream response headers worth relaying to the client."""
     return {k: v for k, v in headers.items() if k.lower() not in RESPONSE_DROP}
+
+
+def _payload(body: bytes | None) -> bytes | aiohttp.payload.BytesPayload | None:
+    """``body`` as aiohttp sends it. Past 1 MiB aiohttp warns that bytes "might lock the event loop"; they are
+    copied once into the socket's buffer (~1 ms for the largest body the gateway accepts), nothing more, and
+    the payload is sent again as it is when a pooled connection broke (``_send``)."""
+    if body is None or len(body) <= aiohttp.payload.TOO_LARGE_BYTES_BODY:
+        return body
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        return aiohttp.payload.BytesPayload(body, content_type="application/json")

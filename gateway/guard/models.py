@@ -16,6 +16,7 @@ from gateway.engine.client import Upstream
 from gateway.engine.models import ServedModels
 from gateway.guard.counting import Counter, LocalCounter, RemoteCounter, TokenizerUnavailable, load_tokenizer
 from gateway.guard.counting.templates import RequestTemplates
+from gateway.guard.policy import effective_max_model_len
 from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,10 @@ class Models(ServedModels):
                 log.info("counting tokens with the tokenizer of %s", source)
                 self._metrics.record_tokenizer_fallback(False)
                 # Media parts cannot be counted locally; the engine's /tokenize counts those requests.
-                return LocalCounter(tokenizer, self._executor, fallback=self._remote(), templates=self.templates)
+                return LocalCounter(
+                    tokenizer, self._executor, fallback=self._remote(), templates=self.templates,
+                    longest=self._longest_prompt,
+                )
             except TokenizerUnavailable as exc:
                 reason = str(exc)
         else:
@@ -67,6 +71,12 @@ class Models(ServedModels):
         if self.cached is None:
             await self.refresh()
         return self._remote()
+
+    def _longest_prompt(self) -> int | None:
+        """The gateway's context length as the served listing says now (None until known): longer prompts are
+        refused or cut, so the counter caches nothing of them."""
+        listing = self.cached
+        return effective_max_model_len(listing.max_model_len if listing else None, self._settings.max_model_len)
 
     def _remote(self) -> RemoteCounter:
         listing = self.cached

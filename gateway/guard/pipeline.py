@@ -21,13 +21,12 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from gateway import jsonio
 from gateway.admission import Reservation
 from gateway.engine.sse import require_event_stream
 from gateway.engine.usage import EVERYTHING, UsageAsk
 from gateway.engine.vllm_api import ModelList
 from gateway.errors import GatewayError, UpstreamError, UpstreamUnavailable
-from gateway.guard import exchange, planning, pooling
+from gateway.guard import exchange, offload, planning, pooling
 from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
 from gateway.guard.policy import Limits, effective_max_model_len
@@ -51,7 +50,7 @@ POOLING: dict[str, Callable[[dict[str, Any]], PoolingRequest]] = pooling.PARSERS
 async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, None]:
     answered = False  # once the head is out, a failure is the stream's own and was counted by it
     try:
-        req = parse(ctx.route, ctx.body)
+        req = await offload.run(parse, ctx.route, ctx.body)  # validation walks the whole body
         refuse_while_starting(parts)
         refuse_while_hung(parts)  # 503 upstream_hung at once (gateway/engine/progress.py)
         limits, engine_max_model_len = await engine_limits(parts, req)
@@ -63,7 +62,7 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
             booking = await planning.plan_generation(parts, req, limits, ctx.prompt_policy, ctx.outcome)
         grant = await check_tenant_limits(parts, ctx, booking)
         sent, ask = exchange.engine_body(ctx.route, req.body, booking.stream)
-        body = jsonio.dumps(sent)
+        body = await offload.dumps(sent)
         try:
             async for piece in admit_and_exchange(parts, ctx, body, booking, grant, ask):
                 answered = True

@@ -14,7 +14,7 @@ import time
 from gateway.admission.controller import Admission
 from gateway.config import PromptOverflowPolicy, Settings
 from gateway.errors import KVBudgetExceeded, MaxTokensExceeded
-from gateway.guard import pooling, responses
+from gateway.guard import offload, pooling, responses
 from gateway.guard.context import Booking
 from gateway.guard.counting import Counter, PromptTokens
 from gateway.guard.parts import Outcome, Parts
@@ -32,7 +32,7 @@ async def plan_generation(
     s = parts.settings
     tokens = await count(parts, req)
     tokens = await apply_prompt_policy(parts, req, tokens, limits, policy, out)
-    counts = [t.count for t in tokens]
+    counts = await offload.run(lambda: [t.count for t in tokens])  # a million for a body of one-token prompts
     out.prompt_tokens = sum(counts)
     decision = decide_output(req, max(counts), limits, s)
     sequences = req.n * len(counts)
@@ -61,7 +61,8 @@ async def count(parts: Parts, req: GuardedRequest) -> list[PromptTokens]:
             req.prompts,  # type: ignore[arg-type]  # one list, mixed shapes
             add_special_tokens=_adds_special_tokens(req),
         )
-    parts.metrics.record_counted(sum(t.count for t in tokens), time.perf_counter() - t0)
+    total = await offload.run(lambda: sum(t.count for t in tokens))
+    parts.metrics.record_counted(total, time.perf_counter() - t0)
     return tokens
 
 
@@ -78,8 +79,9 @@ async def apply_prompt_policy(
         responses.check_fits(tokens[0].count, limits, policy)
         return tokens
     subject = "messages" if req.route == "chat" else "prompt"
-    decisions = [decide_prompt(t.count, limits, policy, req.max_tokens, subject) for t in tokens]
-    if all(d.fits for d in decisions):
+    # One decision per prompt: a million of them for a body of one-token prompts, so off the loop for a large body.
+    decisions, fit = await offload.run(_decide_prompts, tokens, limits, policy, req.max_tokens, subject)
+    if fit:
         return tokens
     counter = await parts.models.counter()
     if req.route == "chat":
@@ -92,6 +94,14 @@ async def apply_prompt_policy(
         new_tokens = await _truncate_prompts(counter, req, tokens, decisions, out)
     parts.metrics.record_truncation(req.route, out.truncated_tokens)
     return new_tokens
+
+
+def _decide_prompts(
+    tokens: list[PromptTokens], limits: Limits, policy: PromptOverflowPolicy, max_tokens: int | None, subject: str
+) -> tuple[list[PromptDecision], bool]:
+    """Each prompt's decision, and whether all of them fit."""
+    decisions = [decide_prompt(t.count, limits, policy, max_tokens, subject) for t in tokens]
+    return decisions, all(d.fits for d in decisions)
 
 
 async def _truncate_prompts(
@@ -135,7 +145,7 @@ async def plan_pooling(
     t0 = time.perf_counter()
     counts = await pooling.count(counter, req.inputs)
     parts.metrics.record_counted(sum(counts), time.perf_counter() - t0)
-    counts, cut = pooling.fit_context(req, counts, limits, policy, engine_max_model_len)
+    counts, cut = await offload.run(pooling.fit_context, req, counts, limits, policy, engine_max_model_len)
     if cut:
         out.truncated_tokens = cut
         parts.metrics.record_truncation(req.route, cut)

@@ -26,6 +26,7 @@ from gateway.managed.lifecycle import EngineLifecycle
 from gateway.managed.tasks import OwnedTasks
 from gateway.metrics import Metrics
 from gateway.observe.history import History, Sampler
+from gateway.observe.loop_lag import LoopLag
 from gateway.redact import redact_url
 from gateway.tenants import Tenants
 
@@ -83,6 +84,10 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
         # Load the tokenizer now rather than on the first request.
         with contextlib.suppress(GatewayError):
             await engine.models.counter()
+    # The loop's lag, measured as long as the app runs.
+    lag = LoopLag(metrics.record_loop_lag)
+    await lag.start()
+    stack.push_async_callback(lag.stop)
     freeze_heap()
     return parts
 

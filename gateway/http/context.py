@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from gateway.config import PromptOverflowPolicy, Settings
 from gateway.errors import InvalidRequest
+from gateway.guard import offload
 from gateway.guard.context import RequestContext
 from gateway.guard.protocol import decode_json
 from gateway.http.auth import Caller, identify
@@ -29,7 +30,8 @@ _ID_COUNTER = itertools.count(1)
 
 async def read_context(settings: Settings, request: Request, rid: str, route: str, path: str) -> RequestContext:
     caller = identify(settings, request)
-    body = decode_json(await read_body(request, BodyLimits.of(settings)))
+    # Parsed on the loop when small, else in a worker; the size decides for every later stage too (offload).
+    body = await offload.decode_body(await read_body(request, BodyLimits.of(settings)), decode_json)
     return RequestContext(
         rid, route, path, body, priority=priority(settings, request, caller.key, caller_priority(caller)),
         deadline=deadline(request),

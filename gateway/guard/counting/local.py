@@ -3,7 +3,8 @@
 Chat requests are rendered the way vLLM renders them (``chatformat`` reproduces its message handling; the
 tokenizer's own ``apply_chat_template`` renders) and the text is tokenized with the request's
 ``add_special_tokens`` (chat: off by default; completions: on) by the cached ``TextCounter``, which gives the
-ids or just their count. Large inputs are tokenized in a thread pool, small ones inline.
+ids or just their count. Large inputs (or any input of a large body: ``offload``) are tokenized in a thread
+pool, small ones inline.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
 
 from gateway.errors import InvalidRequest
+from gateway.guard import offload
 from gateway.guard.counting.chatformat import MediaContent, prepare_chat
 from gateway.guard.counting.counter import (
     Counter,
@@ -27,7 +29,7 @@ from gateway.guard.counting.counter import (
 )
 from gateway.guard.counting.template_wire import template_error_reason
 from gateway.guard.counting.templates import RequestTemplates, TemplateInputs
-from gateway.guard.counting.text import DEFAULT_CACHE_CHARS, TextCounter
+from gateway.guard.counting.text import DEFAULT_CACHE_BYTES, TextCounter
 from gateway.guard.counting.truncation import ChatTruncation, Messages, truncate_messages
 from gateway.guard.prompts import Prompt, messages_of, prompt_list, prompt_shape_error
 
@@ -62,6 +64,7 @@ class LocalCounter:
     engine knows (their ids are left unknown: the engine's prefix keys include the media's hashes); without
     one they are rejected as invalid. ``templates`` says whether a chat template sent
     in a request is refused (the default) or rendered in its sandbox; such a template never runs here.
+    ``cache_bytes`` bounds the text counter's piece cache; ``longest`` gives the context (``TextCounter``).
     """
 
     def __init__(
@@ -70,18 +73,22 @@ class LocalCounter:
         executor: concurrent.futures.Executor | None = None,
         *,
         fallback: Counter | None = None,
-        cache_chars: int = DEFAULT_CACHE_CHARS,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        longest: Callable[[], int | None] = lambda: None,
         templates: RequestTemplates | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.text = TextCounter(tokenizer, cache_chars)
+        self.text = TextCounter(tokenizer, cache_bytes, longest)
         self._executor = executor
         self._fallback = fallback
         self._templates = templates or RequestTemplates(trusted=False)
         self._template_inputs = TemplateInputs(tokenizer)
 
-    async def _run(self, size: int, fn: Callable[[*Args], T], *args: *Args) -> T:
-        if size <= INLINE_CHARS:
+    async def _run(self, size: int | Callable[[], int], fn: Callable[[*Args], T], *args: *Args) -> T:
+        # ``size`` measures only the text being counted (a function: measured only for a small body); the whole
+        # body decides first (a 7 MB role or chat_template_kwargs, a million one-token prompts: none of it is
+        # text ``size`` sees, and measuring it would walk the body on the loop).
+        if offload.inline() and (size if isinstance(size, int) else size()) <= INLINE_CHARS:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -142,7 +149,7 @@ class LocalCounter:
         try:
             if requested is not None:
                 return await self._tokens_with_request_template(body, requested, with_ids)
-            return await self._run(_chat_chars(body), self.tokenize_chat_sync, body, with_ids)
+            return await self._run(lambda: _chat_chars(body), self.tokenize_chat_sync, body, with_ids)
         except MediaContent:
             if self._fallback is None:
                 raise
@@ -159,14 +166,18 @@ class LocalCounter:
     async def _tokens_with_request_template(
         self, body: dict[str, Any], requested: str, with_ids: bool
     ) -> PromptTokens:
-        job, add_special = await self._run(_chat_chars(body), self._request_template_job, body, requested)
+        job, add_special = await self._run(
+            lambda: _chat_chars(body), self._request_template_job, body, requested
+        )
         text = await self._templates.sandbox.render(job)
         return await self._run(len(text), self._text_tokens, text, add_special, with_ids)
 
     async def truncate_chat(self, body: dict[str, Any], budget: int) -> ChatTruncation:
         requested = self._templates.requested(body)
-        messages = messages_of(body)
-        size = _chat_chars(body)
+        messages = await offload.run(messages_of, body)
+
+        def size() -> int:
+            return _chat_chars(body)
 
         async def count(msgs: Messages) -> int:
             if requested is not None:
@@ -189,9 +200,10 @@ class LocalCounter:
         return len(prompt) if isinstance(prompt, list) else self.text.count(prompt, add_special_tokens)
 
     async def count_prompts(self, prompt: PromptField, *, add_special_tokens: bool = True) -> list[int]:
-        prompts = prompt_list(prompt)
-        size = sum(len(p) for p in prompts if isinstance(p, str))
-        return await self._run(size, lambda: [self._count_prompt(p, add_special_tokens) for p in prompts])
+        return await self._run(
+            lambda: _prompt_chars(prompt),
+            lambda: [self._count_prompt(p, add_special_tokens) for p in prompt_list(prompt)],
+        )
 
     def _prompt_tokens(self, prompt: Prompt, add_special_tokens: bool) -> PromptTokens:
         return given_ids(prompt) if isinstance(prompt, list) else self._text_tokens(prompt, add_special_tokens, True)
@@ -199,9 +211,10 @@ class LocalCounter:
     async def tokenize_prompts(
         self, prompt: PromptField, *, add_special_tokens: bool = True
     ) -> list[PromptTokens]:
-        prompts = prompt_list(prompt)
-        size = sum(len(p) for p in prompts if isinstance(p, str))
-        return await self._run(size, lambda: [self._prompt_tokens(p, add_special_tokens) for p in prompts])
+        return await self._run(
+            lambda: _prompt_chars(prompt),
+            lambda: [self._prompt_tokens(p, add_special_tokens) for p in prompt_list(prompt)],
+        )
 
     def _truncate_text(self, text: str, budget: int, add_special_tokens: bool) -> PromptTruncation:
         original = self.text.count(text, add_special_tokens)
@@ -247,8 +260,13 @@ class LocalCounter:
     ) -> list[int]:
         """Tokens of each text pair as ``tokenizer(first, text_pair=second)`` encodes it, each side first cut
         to its bound (0: none)."""
-        size = sum(len(a) + len(b) for a, b in pairs)
-        return await self._run(size, self._count_pairs, pairs, max_first, max_second)
+        return await self._run(
+            lambda: sum(len(a) + len(b) for a, b in pairs), self._count_pairs, pairs, max_first, max_second
+        )
+
+
+def _prompt_chars(prompt: PromptField) -> int:
+    return sum(len(p) for p in prompt_list(prompt) if isinstance(p, str))
 
 
 def _chat_chars(body: dict[str, Any]) -> int:

@@ -12,8 +12,20 @@ import struct
 FRAME = struct.Struct(">I")
 
 
+# A template's error may quote the request (a 7 MB role: "Unknown message role: uuu..."): the answer and the log
+# carry this much of it.
+MAX_REASON_CHARS = 1000
+
+
 def template_error_reason(exc: BaseException) -> str:
-    """The most specific message in a template error's chain, as vLLM reports it."""
+    """The most specific message in a template error's chain, as vLLM reports it, cut to ``MAX_REASON_CHARS``."""
+    reason = _reason(exc)
+    if len(reason) <= MAX_REASON_CHARS:
+        return reason
+    return f"{reason[:MAX_REASON_CHARS]}... ({len(reason) - MAX_REASON_CHARS} more characters)"
+
+
+def _reason(exc: BaseException) -> str:
     import jinja2
 
     seen: set[int] = set()

@@ -10,11 +10,14 @@ whole-text tokenization when the counter is built; if not, text is tokenized who
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import itertools
 import re
+import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -22,11 +25,39 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
-# Characters of piece text the cache holds. Its ids cost about twice as many bytes again: 8 bytes a token (a
-# token is ~4 characters of prose), as tuples of the counter's one int object per vocabulary id. Fresh ints
-# would cost 36 bytes a token; arrays 4, but every read would then create an int object per id again (about
-# 0.6 ms for 32K tokens, the time a whole conversation read from the cache takes), where tuples just share them.
-DEFAULT_CACHE_CHARS = 32 * 1024 * 1024
+# Bytes the cache holds, counted as Python holds them: each piece's text (1, 2 or 4 bytes a character, by its
+# widest character) and its ids, 8 bytes a token, as tuples of the counter's one int object per vocabulary id
+# (fresh ints would cost 36 bytes a token; arrays 4, but every read would then create an int object per id
+# again, about 0.6 ms for 32K tokens, the time a whole conversation read from the cache takes). A bound in
+# characters let 8 MB of emoji (4 bytes a character, 4 tokens each) hold ~80 MB per prompt.
+DEFAULT_CACHE_BYTES = 128 * 1024 * 1024
+# No single piece takes more than this share of the cache: one huge text would evict every conversation.
+LARGEST_PIECE_SHARE = 8
+# What an entry costs beyond its text and ids: the ordered dict's node and the tuple's header.
+_ENTRY_OVERHEAD = 160
+# Encoding 8 MB of emoji (8M tokens) took ~1 GB while it ran (the tokenizer's encodings hold each token's
+# string, offsets and masks); freed, it stayed in the allocator's arenas and RSS with it (+1 GB after one such
+# prompt, 1.6-1.75 GB after eighteen). After encoding this much text the freed memory goes back to the system.
+RELEASE_AFTER_CHARS = 1024 * 1024
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim: Callable[[int], int] = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to call
+        return None
+    return trim
+
+
+_TRIM = _malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Give memory freed inside the allocator back to the system (glibc's ``malloc_trim``; a no-op elsewhere).
+    ctypes releases the GIL for the call (0.1-1 s after a huge encoding), which runs in a worker thread."""
+    if _TRIM is not None:
+        _TRIM(0)
 
 Ids = tuple[int, ...]
 
@@ -34,12 +65,20 @@ Ids = tuple[int, ...]
 class TextCounter:
     """Tokenizes text exactly as ``tokenizer(text, add_special_tokens=...)["input_ids"]``; thread-safe."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, cache_chars: int = DEFAULT_CACHE_CHARS) -> None:
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+        longest: Callable[[], int | None] = lambda: None,
+    ) -> None:
+        """``longest``: the most tokens a prompt may have (the context), when known; a piece longer than that
+        belongs to a prompt that is refused or cut, never sent as it is, so it is not remembered."""
         self.tokenizer = tokenizer
         self._backend: Tokenizer | None = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
-        self._cache: OrderedDict[str, Ids] = OrderedDict()
-        self._cache_chars = 0
-        self._cache_limit = cache_chars
+        self._cache: OrderedDict[str, tuple[Ids, int]] = OrderedDict()  # piece -> (ids, bytes it costs)
+        self._cache_bytes = 0
+        self._cache_limit = cache_bytes
+        self._longest = longest
         self._lock = threading.Lock()
         self._ints: list[int] = []  # the one int object of each id, shared by the cached pieces
         self._split: re.Pattern[str] | None = None
@@ -115,7 +154,10 @@ class TextCounter:
         if self._backend is None:
             return [list(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p in pieces]
         # The batch call skips offsets (3-4x faster than encode) and spreads pieces over the cores.
-        return [e.ids for e in self._backend.encode_batch_fast(pieces, add_special_tokens=False)]
+        ids = [e.ids for e in self._backend.encode_batch_fast(pieces, add_special_tokens=False)]
+        if sum(len(p) for p in pieces) >= RELEASE_AFTER_CHARS:
+            release_freed_memory()
+        return ids
 
     def _piece_ids(self, pieces: list[str]) -> list[Sequence[int]]:
         """Each piece's ids: from the cache, else tokenized (all missing pieces in one batch) and remembered."""
@@ -125,7 +167,7 @@ class TextCounter:
                 hit = self._cache.get(p)
                 if hit is not None:
                     self._cache.move_to_end(p)
-                    found[p] = hit
+                    found[p] = hit[0]
         missing = [p for p in dict.fromkeys(pieces) if p not in found]
         if missing:
             fresh = self._encode(missing)
@@ -143,26 +185,40 @@ class TextCounter:
 
     def count(self, text: str, add_special_tokens: bool = False) -> int:
         if self._split is None:
-            return len(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+            return len(self._whole(text, add_special_tokens))
         total = sum(len(ids) for ids in self._piece_ids(self._pieces(text)))
         return total + (len(self._before) + len(self._after) if add_special_tokens else 0)
 
     def ids(self, text: str, add_special_tokens: bool = False) -> Ids:
         """The ids of ``text``, as ``tokenizer(text, add_special_tokens=...)["input_ids"]`` gives them."""
         if self._split is None:
-            return tuple(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+            return tuple(self._whole(text, add_special_tokens))
         return self._join(self._piece_ids(self._pieces(text)), add_special_tokens)
 
+    def _whole(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids: list[int] = self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        if len(text) >= RELEASE_AFTER_CHARS:
+            release_freed_memory()
+        return ids
+
     def _remember(self, items: Iterable[tuple[str, list[int]]]) -> None:
+        largest = self._cache_limit // LARGEST_PIECE_SHARE
+        longest = self._longest()
         with self._lock:
             for piece, ids in items:
-                if len(piece) > self._cache_limit or piece in self._cache:
+                cost = sys.getsizeof(piece) + 8 * len(ids) + _ENTRY_OVERHEAD
+                if cost > largest or (longest is not None and len(ids) > longest) or piece in self._cache:
                     continue
-                self._cache[piece] = self._shared(ids)
-                self._cache_chars += len(piece)
-            while self._cache_chars > self._cache_limit and self._cache:
-                old, _ = self._cache.popitem(last=False)
-                self._cache_chars -= len(old)
+                self._cache[piece] = (self._shared(ids), cost)
+                self._cache_bytes += cost
+            while self._cache_bytes > self._cache_limit and self._cache:
+                _, (_, cost) = self._cache.popitem(last=False)
+                self._cache_bytes -= cost
+
+    @property
+    def cached_bytes(self) -> int:
+        """What the cache holds now, in bytes (as ``_remember`` counts them)."""
+        return self._cache_bytes
 
     def _shared(self, ids: list[int]) -> Ids:
         """``ids`` as a tuple of the counter's own int objects, so that cached pieces hold no ints of their own."""
@@ -174,7 +230,7 @@ class TextCounter:
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
-            self._cache_chars = 0
+            self._cache_bytes = 0
 
     def drop_front(self, text: str, tokens: int) -> str:
         """``text`` without (about) its first ``tokens`` tokens, cut at a token's first character."""

@@ -70,24 +70,37 @@ def _with_slot_text(messages: Messages, slot: tuple[int, int | None], text: str)
     return out
 
 
-def _turn_cuts(messages: Messages) -> list[list[int]]:
-    """Message indices kept by each allowed cut, from keeping everything to keeping the least.
+class _TurnCuts:
+    """The messages kept by each allowed cut, from keeping everything to keeping the least; each built only when
+    asked for (bisection asks for a few; building all of them costs turns x messages, beyond reach for a body
+    of a hundred thousand messages).
 
     Non-system messages form turns: an assistant message with tool calls and the tool answers after it
     form one. A cut drops whole turns from the oldest and must leave a user message first, so the last
     user turn and everything after it always stay; system messages always stay, in their places.
     """
-    systems = [i for i, m in enumerate(messages) if _is_system(m)]
-    turns: list[list[int]] = []
-    for i, m in enumerate(messages):
-        if _is_system(m):
-            continue
-        if m.get("role") == "tool" and turns:
-            turns[-1].append(i)
-        else:
-            turns.append([i])
-    starts = [0] + [t for t in range(1, len(turns)) if messages[turns[t][0]].get("role") == "user"]
-    return [sorted(systems + [i for turn in turns[t:] for i in turn]) for t in starts]
+
+    def __init__(self, messages: Messages) -> None:
+        self._messages = messages
+        self._systems = [i for i, m in enumerate(messages) if _is_system(m)]
+        turns: list[list[int]] = []
+        for i, m in enumerate(messages):
+            if _is_system(m):
+                continue
+            if m.get("role") == "tool" and turns:
+                turns[-1].append(i)
+            else:
+                turns.append([i])
+        self._turns = turns
+        self._starts = [0] + [t for t in range(1, len(turns)) if messages[turns[t][0]].get("role") == "user"]
+
+    def __len__(self) -> int:
+        return len(self._starts)
+
+    def __getitem__(self, k: int) -> Messages:
+        start = self._starts[k]
+        keep = sorted(self._systems + [i for turn in self._turns[start:] for i in turn])
+        return [self._messages[i] for i in keep]
 
 
 async def truncate_messages(
@@ -97,7 +110,7 @@ async def truncate_messages(
     original = await count(messages)
     if original <= budget:
         return ChatTruncation(list(messages), original, 0)
-    cuts = [[messages[i] for i in keep] for keep in _turn_cuts(messages)]
+    cuts = _TurnCuts(messages)
 
     async def done(kept: Messages, n: int) -> ChatTruncation:
         return ChatTruncation(kept, n, original - n)

@@ -145,9 +145,9 @@ def test_an_id_beyond_the_reported_vocabulary_is_cached_as_it_came(tokenizer: An
     assert counter.ids(text) == counter.ids(text) == expected
 
 
-@pytest.mark.parametrize("cache_chars", [0, 64, 2000])
-async def test_ids_stay_exact_when_the_cache_holds_little_or_nothing(tokenizer: Any, cache_chars: int) -> None:
-    counter = LocalCounter(tokenizer, cache_chars=cache_chars)
+@pytest.mark.parametrize("cache_bytes", [0, 64, 2000])
+async def test_ids_stay_exact_when_the_cache_holds_little_or_nothing(tokenizer: Any, cache_bytes: int) -> None:
+    counter = LocalCounter(tokenizer, cache_bytes=cache_bytes)
     messages = synthetic_chat(tokenizer, 1500)["messages"]
     for turns in (len(messages) - 1, len(messages), len(messages)):
         body = {"messages": messages[:turns]}

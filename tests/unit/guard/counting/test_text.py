@@ -13,7 +13,7 @@ from tests.unit.guard.counting.chats import reference
 
 async def test_a_growing_conversation_reuses_what_was_counted(tokenizer: Any, monkeypatch: Any) -> None:
     counter = LocalCounter(tokenizer)
-    uncached = LocalCounter(tokenizer, cache_chars=0)
+    uncached = LocalCounter(tokenizer, cache_bytes=0)
     encoded: list[str] = []
     real = counter.text._encode
 

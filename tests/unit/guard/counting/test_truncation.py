@@ -61,3 +61,23 @@ async def test_an_impossible_budget_names_budget_and_minimum(counter: LocalCount
     minimum = await counted(counter, [huge_system, {"role": "user", "content": ""}])
     with pytest.raises(ContextLengthExceeded, match=rf"truncated to 50 tokens.*at least {minimum} tokens"):
         await counter.truncate_chat({"messages": [huge_system, U1, A1, U3]}, 50)
+
+
+async def test_a_conversation_of_many_turns_is_cut_in_a_few_counts() -> None:
+    """Each candidate cut is built when counted: building all of them costs turns x messages (30,000 turns:
+    ~450 million list entries, gigabytes) where bisection needs ~15."""
+    from gateway.guard.counting.truncation import truncate_messages
+
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(60_000)]
+    counted_lengths: list[int] = []
+
+    async def count(msgs: list[dict[str, Any]]) -> int:
+        counted_lengths.append(len(msgs))
+        return len(msgs)
+
+    async def drop_front(text: str, tokens: int) -> str:
+        return text
+
+    cut = await truncate_messages(messages, 1001, count, drop_front)
+    assert cut.messages == messages[-1000:] and cut.prompt_tokens == 1000
+    assert len(counted_lengths) <= 20
