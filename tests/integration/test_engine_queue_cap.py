@@ -16,6 +16,7 @@ import pytest
 
 from gateway.config import Settings
 from tests.integration.test_admission_flood import TOKEN, metric
+from tests.integration.test_engines import pair
 from tests.support.harness import GatewayServer, run_gateway
 from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
@@ -81,3 +82,19 @@ async def refused_then_waiting(sim: SimServer, gw: GatewayServer) -> None:
         sim.sim.thaw()
         answers = await asyncio.gather(*held, waiting)
     assert [a.status_code for a in answers] == [200] * (CAP + 1)
+
+
+def test_with_two_engines_a_refusal_fails_over_and_the_refusing_engine_takes_nothing_new(
+    tokenizer: Any, tokenizer_dir: Path, base_settings: Settings,
+) -> None:
+    # The first engine has the more room (placement tries it first) and a cap that refuses everything.
+    with pair(tokenizer, tokenizer_dir, base_settings, blocks=(64, 32)) as engines:
+        first, second = engines.sims
+        first.sim.config.max_num_queued_reqs = 0
+        answers = [httpx.post(engines.gw.url + "/v1/completions", json=BODY, timeout=20.0) for _ in range(2)]
+        assert [(a.status_code, a.headers.get("x-guard-engine")) for a in answers] == [(200, "1"), (200, "1")]
+        assert (first.sim.request_count, second.sim.request_count) == (1, 2)  # the second went straight to "1"
+        page = httpx.get(engines.gw.url + "/metrics").text
+        assert metric(page, "vllm_guard_failovers_total") == 1.0
+        assert metric(page, "vllm_guard_rejections_total", reason="engine_queue_full") is None
+        engines.gw.wait_ledger_empty()
