@@ -43,8 +43,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import plots  # noqa: E402
+from bench.prefix_clients import gateway_refusals  # noqa: E402
 from bench.realistic_clients import CLIENTS, run_vllm_bench  # noqa: E402
 from bench.realistic_load import (  # noqa: E402
     TABLE_HEAD,
@@ -139,6 +141,8 @@ class Bench:
     client: str
     objective: float
     model: Path
+    # Refusals the gateways counted (vllm_guard_rejections_total), by (target, load rate) then reason.
+    reasons: dict[str, Counter[str]] = field(default_factory=dict)
 
     def base(self, target: str, objective_flag: bool) -> str:
         engine, flags = TARGETS[target]
@@ -151,6 +155,7 @@ class Bench:
         wait_idle(engine)
         before = scrape_counter(f"{engine.url}/metrics", PREEMPTIONS)
         base = self.base(target, load.objective_flag)
+        refused_before = gateway_refusals(base) if TARGETS[target][1] is not None else {}
         if self.client == "vllm":
             outcomes = asyncio.run(run_vllm_bench(base, plans, texts, self.eos_id, load.read_timeout_s,
                                                   str(self.model)))
@@ -158,6 +163,10 @@ class Bench:
             outcomes = asyncio.run(CLIENTS[self.client](base, plans, texts, self.eos_id, load.read_timeout_s))
         wait_idle(engine)
         preempted = scrape_counter(f"{engine.url}/metrics", PREEMPTIONS) - before
+        if TARGETS[target][1] is not None:
+            counted = self.reasons.setdefault(f"{target} at {rate * load.rate_factor:g}/s", Counter())
+            for reason, value in gateway_refusals(base).items():
+                counted[reason] += round(value - refused_before.get(reason, 0.0))
         errors = sorted({o.error for o in outcomes if o.error})
         if errors:
             print(f"realistic: {target}: errors seen: {errors[:3]}", file=sys.stderr)
@@ -286,6 +295,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             body = find_capacity(bench, [float(r) for r in args.find_capacity.split(",")], args.duration or 30.0)
         else:
             body = measure(bench, args, targets, loads, args.pictures)
+            said = "; ".join(f"{key}: " + ", ".join(f"{n} {reason}" for reason, n in sorted(c.items()) if n)
+                             for key, c in bench.reasons.items() if sum(c.values()))
+            body += f"\n\nThe gateways' refusals by reason (all runs): {said or 'none'}"
     finally:
         for server in [*{id(g): g for g in bench.gateways.values()}.values(), *bench.engines.values()]:
             server.stop()

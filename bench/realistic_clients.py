@@ -93,6 +93,7 @@ async def run_sdk(base: str, plans: Sequence[Planned], texts: Sequence[str], eos
     # The SDK sends its timeout as x-stainless-read-timeout; its pool (1,000 connections) is no limit here.
     async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
                                   timeout=read_timeout) as client:
+        await client.models.list()  # the SDK's first call builds its models (~1.5 s here): not a request's TTFT
 
         async def send(i: int, planned: Planned, text: str, start: float) -> Outcome:
             sent = time.monotonic()
