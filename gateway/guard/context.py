@@ -13,6 +13,7 @@ from typing import Any
 from gateway.admission.prefix import PromptPrefix
 from gateway.config import PromptOverflowPolicy
 from gateway.guard.parts import Outcome
+from gateway.observe.tracing import OFF, RequestTrace
 
 
 @dataclass(slots=True)
@@ -29,7 +30,9 @@ class RequestContext:
     tenant: str = "default"  # from the caller's key (the keys file); "default" for every other caller
     tenant_weight: float = 1.0
     deadline: float | None = None  # seconds the client gives it to a first token, when it says (``deadlines``)
+    trace_carrier: dict[str, str] = field(default_factory=dict)  # the client's W3C trace headers, if any
     outcome: Outcome = field(init=False)
+    trace: RequestTrace = field(init=False, default=OFF)  # the request's spans (no-op while tracing is off)
 
     def __post_init__(self) -> None:
         self.outcome = Outcome(self.request_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import orjson
@@ -29,14 +29,16 @@ DP_RANK_HEADER = "x-data-parallel-rank"
 
 
 async def open_upstream(
-    parts: Parts, engine: Engine[Models], path: str, body: bytes, rid: str, rank: int | None = None
+    parts: Parts, engine: Engine[Models], path: str, body: bytes, rid: str, rank: int | None = None,
+    trace: Mapping[str, str] | None = None,
 ) -> UpstreamStream:
     """The upstream's answer once its status is 200 (its error, normalised, otherwise); counted in flight
-    until closed by the caller. ``rank``: the data-parallel engine behind ``engine``'s URL to run it on."""
+    until closed by the caller. ``rank``: the data-parallel engine behind ``engine``'s URL to run it on;
+    ``trace``: the W3C trace headers that make the engine's spans children of the gateway's exchange."""
     parts.metrics.in_flight.inc()
     progress = engine.progress
     progress.opened()
-    headers = {"content-type": "application/json", "x-request-id": rid}
+    headers = {"content-type": "application/json", "x-request-id": rid, **(trace or {})}
     if rank is not None:
         headers[DP_RANK_HEADER] = str(rank)
     try:

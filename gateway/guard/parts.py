@@ -13,6 +13,7 @@ from gateway.guard.models import Models
 from gateway.metrics import Metrics
 from gateway.observe.access_log import AccessLog
 from gateway.observe.history import Sampler
+from gateway.observe.tracing import Tracing
 from gateway.tenants import Tenants
 
 if TYPE_CHECKING:  # imported only in managed mode: it loads the GPU and process tooling
@@ -36,6 +37,7 @@ class Parts:
     # Managed mode with several engines: one supervisor per engine (the first is ``supervisor``), restarts rolling.
     supervisors: list[Supervisor] = field(default_factory=list)
     rolling: RollingRestarts | None = None  # managed mode: restarts asked for or scheduled
+    tracing: Tracing = field(default_factory=Tracing)  # requests' traces (--otlp-traces-endpoint; no-op without)
     access_log: AccessLog = field(init=False)  # one line per guarded request (--access-log)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ turns errors into answers.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, Callable
@@ -28,12 +29,13 @@ from gateway.engine.vllm_api import ModelList
 from gateway.errors import GatewayError, UpstreamError, UpstreamUnavailable
 from gateway.guard import exchange, offload, planning, pooling
 from gateway.guard.context import Booking, Reply, RequestContext
-from gateway.guard.parts import Parts
+from gateway.guard.parts import Outcome, Parts
 from gateway.guard.policy import Limits, effective_max_model_len
 from gateway.guard.pooling import PoolingRequest
 from gateway.guard.protocol import GuardedRequest, parse_chat, parse_completion, parse_responses
 from gateway.managed.lifecycle import EngineLifecycle
 from gateway.managed.logfacts import engine_death_reply
+from gateway.observe.tracing import AttrValue
 from gateway.tenants import Grant
 
 log = logging.getLogger(__name__)
@@ -49,18 +51,24 @@ POOLING: dict[str, Callable[[dict[str, Any]], PoolingRequest]] = pooling.PARSERS
 
 async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, None]:
     answered = False  # once the head is out, a failure is the stream's own and was counted by it
+    ctx.trace = trace = parts.tracing.start(ctx.route, ctx.trace_carrier)
     try:
-        req = await offload.run(parse, ctx.route, ctx.body)  # validation walks the whole body
-        refuse_while_starting(parts)
-        refuse_while_hung(parts)  # 503 upstream_hung at once (gateway/engine/progress.py)
-        limits, engine_max_model_len = await engine_limits(parts, req)
-        if isinstance(req, PoolingRequest):
-            booking = await planning.plan_pooling(
-                parts, req, limits, ctx.prompt_policy, engine_max_model_len, ctx.outcome
-            )
-        else:
-            booking = await planning.plan_generation(parts, req, limits, ctx.prompt_policy, ctx.outcome)
-        grant = await check_tenant_limits(parts, ctx, booking)
+        with trace.stage("parse"):
+            req = await offload.run(parse, ctx.route, ctx.body)  # validation walks the whole body
+            refuse_while_starting(parts)
+            refuse_while_hung(parts)  # 503 upstream_hung at once (gateway/engine/progress.py)
+            limits, engine_max_model_len = await engine_limits(parts, req)
+        trace.set(request_attributes(req))
+        with trace.stage("count"):
+            if isinstance(req, PoolingRequest):
+                booking = await planning.plan_pooling(
+                    parts, req, limits, ctx.prompt_policy, engine_max_model_len, ctx.outcome
+                )
+            else:
+                booking = await planning.plan_generation(parts, req, limits, ctx.prompt_policy, ctx.outcome)
+        trace.set(plan_attributes(req, ctx.outcome))
+        with trace.stage("tenant"):
+            grant = await check_tenant_limits(parts, ctx, booking)
         sent, ask = exchange.engine_body(ctx.route, req.body, booking.stream)
         body = await offload.dumps(sent)
         try:
@@ -70,11 +78,17 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
         finally:
             grant.settle(ctx.outcome.queue_ms)  # the tenant is charged what the request really used
     except GatewayError as exc:
+        trace.fail(exc)
         if not answered:
             record_refusal(parts, ctx.route, exc)
             if parts.tenants is not None and exc.reason is not None:
                 parts.tenants.usage.rejected(ctx.tenant, exc.reason)
         raise
+    except (Exception, asyncio.CancelledError) as exc:  # a fault of ours, or the client gone meanwhile
+        trace.fail(exc)
+        raise
+    finally:
+        finish_trace(ctx)
 
 
 def parse(route: str, body: dict[str, Any]) -> GuardedRequest | PoolingRequest:
@@ -136,11 +150,14 @@ async def admit_and_exchange(
         )
         try:
             # May wait for the tenant's KV share and in the queue, or shed with QueueFull / QueueTimeout.
+            ctx.trace.admitting()
             async with grant.admit(reservation, parts.admission.budget_blocks) as waited_ms:
                 ctx.outcome.queue_ms += waited_ms
-                async for piece in exchange_with_engine(parts, ctx, body, booking, reservation, ask):
-                    answered = True
-                    yield piece
+                ctx.trace.admitted(waited_ms)
+                with ctx.trace.stage("exchange", engine_attributes(reservation)):
+                    async for piece in exchange_with_engine(parts, ctx, body, booking, reservation, ask):
+                        answered = True
+                        yield piece
                 return
         except (UpstreamUnavailable, UpstreamError) as exc:
             target = reservation.target
@@ -173,10 +190,13 @@ async def exchange_with_engine(
     engine = parts.engine_at(target.engine) if target is not None else parts.engine
     rank = target.rank if target is not None else None
     ctx.outcome.engine = target.name if target is not None else None
-    stream = await exchange.open_upstream(parts, engine, ctx.path, body, ctx.request_id, rank)
+    # The engine joins the trace: under the gateway's exchange span, or (tracing off) under the client's own.
+    trace = ctx.trace.headers() or ctx.trace_carrier
+    stream = await exchange.open_upstream(parts, engine, ctx.path, body, ctx.request_id, rank, trace)
     if not booking.stream:
         learner = reservation if booking.learns_output else None
         payload = await exchange.read_answer(parts, engine, ctx.route, stream, learner)
+        ctx.trace.answer(payload)
         ctx.outcome.output = learner
         # The engine is done with it: free the blocks before the answer is written to the client.
         reservation.release(completed=booking.learns_output)
@@ -191,12 +211,48 @@ async def exchange_with_engine(
     ctx.outcome.output = reservation  # counts the stream's tokens as they are relayed
     try:
         headers = {**ctx.outcome.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"}
-        yield Reply(headers, events=relay.events())
+        yield Reply(headers, events=ctx.trace.stream(relay.events(), reservation))
     finally:
         relay.finish()
 
 
 # -- small stages ---------------------------------------------------------------------------------
+def request_attributes(req: GuardedRequest | PoolingRequest) -> dict[str, AttrValue | None]:
+    """What the client asked, for the request's span (GenAI semantic conventions)."""
+    if isinstance(req, PoolingRequest):
+        return {"gen_ai.request.model": req.model}
+    return {
+        "gen_ai.request.model": req.model, "gen_ai.request.max_tokens": req.max_tokens, "vllm_guard.stream": req.stream,
+    }
+
+
+def plan_attributes(req: GuardedRequest | PoolingRequest, out: Outcome) -> dict[str, AttrValue | None]:
+    """What the guard made of it: the prompt as counted, the max_tokens sent, whether it was clamped."""
+    asked = req.max_tokens if isinstance(req, GuardedRequest) else None
+    return {
+        "gen_ai.usage.input_tokens": out.prompt_tokens,
+        "vllm_guard.prompt_tokens": out.prompt_tokens,
+        "vllm_guard.max_tokens": out.max_tokens,
+        "vllm_guard.truncated_tokens": out.truncated_tokens,
+        "vllm_guard.clamped": asked is not None and out.max_tokens < asked,
+    }
+
+
+def engine_attributes(reservation: Reservation) -> dict[str, AttrValue]:
+    target = reservation.target
+    return {"vllm_guard.engine": target.name} if target is not None else {}
+
+
+def finish_trace(ctx: RequestContext) -> None:
+    """The request's span ends with what it cost: queued, placed, generated (the engine's own count)."""
+    out = ctx.outcome
+    ctx.trace.set({
+        "vllm_guard.queue_ms": round(out.queue_ms, 1), "vllm_guard.engine": out.engine,
+        "gen_ai.usage.output_tokens": out.completion_tokens,
+    })
+    ctx.trace.end()
+
+
 def record_refusal(parts: Parts, route: str, exc: GatewayError) -> None:
     if exc.reason is not None and (exc.client_fault or exc.reason in (
         "queue_timeout", "queue_timeout_expected", "deadline", "engine_queue_full",

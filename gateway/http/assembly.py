@@ -27,6 +27,7 @@ from gateway.managed.tasks import OwnedTasks
 from gateway.metrics import Metrics
 from gateway.observe.history import History, Sampler
 from gateway.observe.loop_lag import LoopLag
+from gateway.observe.tracing import start_tracing
 from gateway.redact import redact_url
 from gateway.tenants import Tenants
 
@@ -63,6 +64,8 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
         settings, metrics, engine, admission, supervisors[0] if supervisors else None, tenants=tenants,
         engines=engines, supervisors=supervisors,
     )
+    parts.tracing = start_tracing(settings)
+    stack.push_async_callback(parts.tracing.close)  # spans still buffered are exported on shutdown
     if supervisors:
         manage(parts, stack)
     else:

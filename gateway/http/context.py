@@ -17,6 +17,7 @@ from gateway.guard.context import RequestContext
 from gateway.guard.protocol import decode_json
 from gateway.http.auth import Caller, identify
 from gateway.http.body import BodyLimits, read_body
+from gateway.observe.tracing import carrier_of
 
 # (header, seconds per unit, the most accepted in its units): a day at most, as ms and as seconds.
 _DEADLINE_HEADERS = (("x-guard-deadline-ms", 0.001, 86_400_000.0), ("x-stainless-read-timeout", 1.0, 86_400.0))
@@ -37,6 +38,7 @@ async def read_context(settings: Settings, request: Request, rid: str, route: st
         deadline=deadline(request),
         prompt_policy=prompt_policy(request, settings), tenant=caller.tenant_name,
         tenant_weight=caller.tenant.weight if caller.tenant is not None else 1.0,
+        trace_carrier=carrier_of(request.headers),
     )
 
 

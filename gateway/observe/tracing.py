@@ -1,0 +1,121 @@
+"""Traces of the request path, for operators who follow a request from their client through the gateway into
+vLLM (``--otlp-traces-endpoint``).
+
+The pipeline calls small hooks on the request's ``RequestTrace``: a named stage (``stage``: parse, count,
+tenant, exchange), the attributes it learned (``set``), admission and its wait in the queue (``admitting``,
+``admitted``), the headers that carry the trace to the engine (``headers``), the engine's answer (``answer``,
+``stream``), a failure (``fail``), the end (``end``). This module holds the no-op versions, used when tracing is
+off: each hook costs one method call, and the OpenTelemetry SDK is never imported. With an endpoint,
+``start_tracing`` builds the SDK-backed ``Tracing`` of ``gateway/observe/otel.py``.
+
+Span and attribute names follow OpenTelemetry's GenAI semantic conventions (``gen_ai.*``); the gateway's own
+are under ``vllm_guard.*`` (docs/tracing.md lists them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Protocol
+from urllib.parse import urlsplit, urlunsplit
+
+from gateway.config import Settings
+from gateway.errors import ConfigInvalid
+
+AttrValue = str | bool | int | float | Sequence[str]
+
+# W3C Trace Context: what a client sends to be continued, and what the engine gets from the gateway.
+TRACE_HEADERS = ("traceparent", "tracestate")
+# OTLP/HTTP's path for traces, appended to an endpoint given without one (the collector's base URL).
+OTLP_TRACES_PATH = "/v1/traces"
+# gen_ai.operation.name by route (GenAI semantic conventions' well-known values where one fits).
+OPERATIONS = {
+    "chat": "chat", "responses": "chat", "completions": "text_completion", "embeddings": "embeddings",
+}
+
+
+class Generated(Protocol):
+    """What counts a stream's generated tokens as they come (a reservation)."""
+
+    @property
+    def generated(self) -> int: ...
+
+
+class RequestTrace:
+    """One request's spans. This base class is the no-op one: tracing is off."""
+
+    __slots__ = ()
+
+    @contextlib.contextmanager
+    def stage(self, name: str, attributes: Mapping[str, AttrValue] | None = None) -> Iterator[None]:
+        """A child span of the request's span around one stage; an exception leaving it marks it failed."""
+        yield
+
+    def set(self, attributes: Mapping[str, AttrValue | None]) -> None:
+        """Attributes of the request's span (None values are left out)."""
+
+    def admitting(self) -> None:
+        """Admission starts: the request is reserved its blocks, or queued, or shed."""
+
+    def admitted(self, waited_ms: float) -> None:
+        """Admission let the request in after waiting this long in the queue (0: at once)."""
+
+    def headers(self) -> dict[str, str]:
+        """The trace context to send the engine: its parent is the innermost stage open now."""
+        return {}
+
+    def answer(self, payload: bytes) -> None:
+        """A whole answer from the engine: its usage and finish reasons."""
+
+    def stream(self, events: AsyncIterator[bytes], counted: Generated) -> AsyncIterator[bytes]:
+        """The stream's events as they pass: its first token and, at its end, finish reasons and the tokens
+        ``counted`` generated (the reservation's count, which is the engine's own)."""
+        return events
+
+    def fail(self, exc: BaseException) -> None:
+        """The request failed or was refused: the request's span says why."""
+
+    def end(self) -> None:
+        """The request is over (answered, refused, failed, or its client gone)."""
+
+
+OFF = RequestTrace()
+
+
+class Tracing:
+    """Where requests' traces go; this base class is the no-op one (no ``--otlp-traces-endpoint``)."""
+
+    def start(self, route: str, carrier: Mapping[str, str]) -> RequestTrace:
+        """A request's trace, continuing the client's (``carrier``: its W3C trace headers), else a new one."""
+        return OFF
+
+    async def close(self) -> None:
+        """Export what is still buffered, then stop exporting (on shutdown)."""
+
+
+def traces_url(endpoint: str) -> str:
+    """The URL spans are posted to: ``endpoint`` as given, or with OTLP's traces path when it has no path."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigInvalid(
+            f"--otlp-traces-endpoint must be an http:// or https:// URL (OTLP over HTTP); got {endpoint!r}"
+        )
+    if parts.path in ("", "/"):
+        parts = parts._replace(path=OTLP_TRACES_PATH)
+    return urlunsplit(parts)
+
+
+def start_tracing(settings: Settings) -> Tracing:
+    """The no-op ``Tracing`` without an endpoint; else one exporting to it with the OpenTelemetry SDK (imported
+    only then)."""
+    if settings.otlp_traces_endpoint is None:
+        return Tracing()
+    url = traces_url(settings.otlp_traces_endpoint)
+    from gateway.observe.otel import OtelTracing
+
+    return OtelTracing(url)
+
+
+def carrier_of(headers: Mapping[str, str]) -> dict[str, str]:
+    """The W3C trace headers of a request, the only ones a trace is continued from."""
+    return {name: value for name in TRACE_HEADERS if (value := headers.get(name)) is not None}

@@ -1,0 +1,213 @@
+"""Tracing's switch and its no-op: the endpoint's URL, nothing of the SDK loaded while tracing is off, and the
+SDK-backed trace's spans (in memory) for what the request path tells it."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind, StatusCode
+
+from gateway.config import Settings
+from gateway.errors import ConfigInvalid, ContextLengthExceeded, UpstreamUnavailable
+from gateway.observe import otel
+from gateway.observe.otel import OtelRequestTrace, OtelTracing
+from gateway.observe.tracing import OFF, Tracing, carrier_of, start_tracing, traces_url
+from tests.support.paths import ROOT
+
+
+@dataclass
+class Counted:
+    generated: int = 7  # the engine's own count, whatever the events look like
+
+
+@pytest.mark.parametrize(
+    ("given", "posted_to"),
+    [
+        ("http://collector:4318", "http://collector:4318/v1/traces"),
+        ("http://collector:4318/", "http://collector:4318/v1/traces"),
+        ("https://collector:4318/v1/traces", "https://collector:4318/v1/traces"),
+        ("http://gateway.example/otlp/traces", "http://gateway.example/otlp/traces"),
+    ],
+)
+def test_an_endpoint_without_a_path_gets_otlps_traces_path(given: str, posted_to: str) -> None:
+    assert traces_url(given) == posted_to
+
+
+@pytest.mark.parametrize("given", ["collector:4317", "grpc://collector:4317", "http://", "/v1/traces"])
+def test_an_endpoint_that_is_not_an_http_url_is_refused(given: str) -> None:
+    with pytest.raises(ConfigInvalid, match="--otlp-traces-endpoint"):
+        traces_url(given)
+
+
+async def test_without_an_endpoint_every_hook_is_a_no_op() -> None:
+    tracing = start_tracing(Settings())
+    assert type(tracing) is Tracing
+    trace = tracing.start("chat", {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
+    assert trace is OFF
+    with trace.stage("parse"):
+        trace.set({"gen_ai.request.model": "m"})
+    assert trace.headers() == {}
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b"data: {}\n\n"
+
+    stream = events()
+    assert trace.stream(stream, Counted()) is stream  # not even a wrapper on the hot path
+    await tracing.close()
+
+
+def test_tracing_off_loads_neither_the_sdks_tracing_nor_its_exporter() -> None:
+    code = (
+        "import sys\n"
+        "import gateway.cli, gateway.http.app, gateway.guard.pipeline\n"
+        "from gateway.config import Settings\n"
+        "from gateway.observe.tracing import start_tracing\n"
+        "start_tracing(Settings())\n"
+        "loaded = [m for m in sys.modules if m.startswith(('opentelemetry.sdk.trace', 'opentelemetry.exporter',"
+        " 'gateway.observe.otel'))]\n"
+        "print(loaded)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_only_the_w3c_trace_headers_are_carried() -> None:
+    headers = {"traceparent": "tp", "tracestate": "ts", "baggage": "b", "authorization": "Bearer k"}
+    assert carrier_of(headers) == {"traceparent": "tp", "tracestate": "ts"}
+    assert carrier_of({}) == {}
+
+
+# -- the SDK-backed trace, exported in memory -------------------------------------------------------
+def in_memory() -> tuple[OtelTracing, InMemorySpanExporter]:
+    tracing = OtelTracing("http://127.0.0.1:9/v1/traces")
+    exporter = InMemorySpanExporter()
+    tracing.provider.shutdown()  # its batch exporter's thread: nothing to export
+    tracing.provider = TracerProvider()
+    tracing.provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.tracer = tracing.provider.get_tracer("test")
+    return tracing, exporter
+
+
+class Clock:
+    """``time.time_ns`` for the trace's own timings (the SDK keeps its own for spans it times itself)."""
+
+    def __init__(self) -> None:
+        self.ns = 1_000_000_000_000
+
+    def time_ns(self) -> int:
+        return self.ns
+
+
+def test_a_request_span_has_a_child_per_stage_and_queue_wait_inside_admission(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    monkeypatch.setattr(otel, "time", clock)
+    tracing, exporter = in_memory()
+    trace = tracing.start("completions", {})
+    assert isinstance(trace, OtelRequestTrace)
+    with trace.stage("parse"):
+        pass
+    trace.set({"gen_ai.request.model": "tiny", "gen_ai.request.max_tokens": None})
+    trace.admitting()
+    clock.ns += 20_000_000  # 20 ms in admission, 12.5 of them queued
+    trace.admitted(12.5)
+    with trace.stage("exchange", {"vllm_guard.engine": "1"}):
+        sent = trace.headers()
+        trace.answer(b'{"id": "cmpl-1", "choices": [{"finish_reason": "stop"}], '
+                     b'"usage": {"prompt_tokens": 3, "completion_tokens": 2}}')
+    trace.end()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root = spans["text_completion tiny"]
+    assert root.kind is SpanKind.SERVER and root.parent is None
+    assert "gen_ai.request.max_tokens" not in root.attributes  # unknown values are left out
+    assert {n: s.parent.span_id for n, s in spans.items() if s.parent is not None} == {
+        "vllm_guard.parse": root.context.span_id,
+        "vllm_guard.admission": root.context.span_id,
+        "vllm_guard.queue": spans["vllm_guard.admission"].context.span_id,
+        "vllm_guard.exchange": root.context.span_id,
+    }
+    queue, admission = spans["vllm_guard.queue"], spans["vllm_guard.admission"]
+    assert (queue.end_time - queue.start_time, admission.end_time - admission.start_time) == (12_500_000, 20_000_000)
+    assert queue.end_time == admission.end_time
+    assert spans["vllm_guard.exchange"].kind is SpanKind.CLIENT
+    assert sent["traceparent"].split("-")[2] == f"{spans['vllm_guard.exchange'].context.span_id:016x}"
+    assert root.attributes["gen_ai.response.finish_reasons"] == ("stop",)
+    assert (root.attributes["gen_ai.usage.input_tokens"], root.attributes["gen_ai.usage.output_tokens"]) == (3, 2)
+    assert root.attributes["gen_ai.response.id"] == "cmpl-1"
+    assert root.attributes["vllm_guard.queue_ms"] == 12.5
+    assert root.attributes["vllm_guard.outcome"] == "ok"
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "outcome"),
+    [
+        (ContextLengthExceeded("too long"), StatusCode.UNSET, "error"),  # a client's mistake: no server error
+        (UpstreamUnavailable("engine down", retry_after=5), StatusCode.ERROR, "error"),
+        (RuntimeError("bug"), StatusCode.ERROR, "error"),
+        (asyncio.CancelledError(), StatusCode.UNSET, "cancelled"),
+    ],
+)
+def test_a_failure_marks_the_request_span(error: BaseException, status: StatusCode, outcome: str) -> None:
+    tracing, exporter = in_memory()
+    trace = tracing.start("chat", {})
+    trace.admitting()
+    trace.fail(error)
+    trace.end()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    root = spans["chat"]
+    assert (root.status.status_code, root.attributes["vllm_guard.outcome"]) == (status, outcome)
+    # Refused while admitting: the admission span is there, with the same mark.
+    assert spans["vllm_guard.admission"].status.status_code == status
+
+
+def test_a_stage_left_open_ends_with_the_request() -> None:
+    tracing, exporter = in_memory()
+    trace = tracing.start("chat", {})
+    stage = trace.stage("exchange")
+    stage.__enter__()
+    trace.end()
+    stage.__exit__(None, None, None)  # the inner generator closed after the outer one: ended once, no warning
+    assert sorted(s.name for s in exporter.get_finished_spans()) == ["chat", "vllm_guard.exchange"]
+
+
+async def test_a_stream_reports_its_first_token_and_finish_reasons() -> None:
+    tracing, exporter = in_memory()
+    trace = tracing.start("chat", {})
+
+    async def events() -> AsyncIterator[bytes]:
+        yield b'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n'
+        yield b'data: {"choices": [{"delta": {}, "finish_reason": "length"}]}\n\n'
+        yield b"data: [DONE]\n\n"
+
+    with trace.stage("exchange"):
+        got = [event async for event in trace.stream(events(), Counted())]
+    trace.end()
+    assert len(got) == 3
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["vllm_guard.first_token"].parent.span_id == spans["vllm_guard.exchange"].context.span_id
+    root = spans["chat"]
+    assert root.attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert root.attributes["gen_ai.usage.output_tokens"] == 7
+    assert root.attributes["vllm_guard.outcome"] == "ok"
+
+
+def service_name() -> object:
+    tracing = OtelTracing("http://127.0.0.1:9/v1/traces")
+    tracing.provider.shutdown()
+    return tracing.provider.resource.attributes["service.name"]
+
+
+def test_the_service_is_named_unless_the_environment_names_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert service_name() == "vllm-guard"
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "edge-gateway")
+    assert service_name() == "edge-gateway"
