@@ -66,34 +66,38 @@ async def test_a_frozen_engine_is_hung_within_the_bound_refused_at_once_cut_and_
         started = [asyncio.Event(), asyncio.Event()]
         streams = [asyncio.create_task(stream_events(http, s)) for s in started]
         whole = asyncio.create_task(http.post("/v1/completions", json=LONG))
-        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 10)
-        await wait_for(lambda: _true(sim.sim.running == 3), 5)
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+        await wait_for(lambda: _true(sim.sim.running == 3), 60)
 
         sim.sim.freeze()
 
         async def health_is(status: int) -> bool:
             return (await http.get("/health")).status_code == status
 
-        took = await wait_for(lambda: health_is(503), HANG_TIMEOUT + 2)
-        assert took < HANG_TIMEOUT + 1.5
+        # Within the bound plus a few ticks and scrapes: generous, since a machine busy with other work delays
+        # the gateway's timer and the scrapes (the declaration itself is timed with an injected clock in
+        # tests/unit/engine/test_progress.py).
+        took = await wait_for(lambda: health_is(503), HANG_TIMEOUT + 10)
+        assert took < HANG_TIMEOUT + 8
         health = (await http.get("/health")).json()
         assert health["upstream"]["state"] == "hung" and health["upstream"]["progress"]["hung"] is True
 
         t0 = time.monotonic()
         refused = await http.post("/v1/completions", json={**LONG, "max_tokens": 5})
-        assert time.monotonic() - t0 < 0.5, "a new request waited on the hung engine"
+        # The engine would have held it until --read-timeout (5 s); a refusal at once takes a round trip.
+        assert time.monotonic() - t0 < 3.0, "a new request waited on the hung engine"
         assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["code"] == "upstream_hung"
 
-        for events in await asyncio.wait_for(asyncio.gather(*streams), 5):
+        for events in await asyncio.wait_for(asyncio.gather(*streams), 30):
             assert events[-1]["error"]["code"] == "upstream_hung", events[-1]
-        cut = await asyncio.wait_for(whole, 5)
+        cut = await asyncio.wait_for(whole, 30)
         assert cut.status_code == 503 and cut.json()["error"]["code"] == "upstream_hung"
         metrics = (await http.get("/metrics")).text
         assert "vllm_guard_engine_hung 1.0" in metrics and "vllm_guard_engine_hangs_total 1.0" in metrics
 
         sim.sim.thaw()
-        await wait_for(lambda: health_is(200), 10)
+        await wait_for(lambda: health_is(200), 30)
         served = await http.post("/v1/completions", json={**LONG, "max_tokens": 5})
         assert served.status_code == 200
         assert "vllm_guard_engine_hung 0.0" in (await http.get("/metrics")).text

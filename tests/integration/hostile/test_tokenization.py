@@ -134,3 +134,20 @@ def test_an_engine_answer_past_the_bound_is_not_read_whole(
         r = httpx.post(server.url + "/detokenize", json={"model": "tiny", "tokens": [1, 2]}, timeout=10)
     err = check_answer(r.status_code, r.content, Case(case, status=statuses(502), code="bad_upstream_response"))
     assert err is not None and "--max-answer-bytes" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param({"model": "tiny", "prompt": "Hello, world!"}, id="a prompt"),
+        pytest.param({"model": "tiny", "prompt": "Hello", "add_special_tokens": False}, id="without special tokens"),
+        pytest.param({"prompt": "no model named"}, id="no model named"),
+        pytest.param({"model": "tiny", "messages": [{"role": "system", "content": "Be brief."}, *USER]}, id="a chat"),
+        pytest.param({"model": "tiny", "messages": USER, "add_generation_prompt": False}, id="a chat, no prompt"),
+    ],
+)
+def test_the_gateways_own_tokenize_answers_what_the_engine_would(gw: Target, sim: SimServer, body: Any) -> None:
+    mine = gw.client.post("/tokenize", json=body, headers=gw.auth())
+    engine = httpx.post(sim.url + "/tokenize", json=body, headers={"authorization": f"Bearer {UPSTREAM_KEY}"})
+    assert mine.status_code == engine.status_code == 200, (mine.text, engine.text)
+    assert mine.json() == engine.json()

@@ -46,7 +46,7 @@ from gateway.managed.supervisor import Supervisor
 from tests.support.paths import FAKE_VLLM, ROOT
 
 async def main():
-    s = Settings(managed=True, model="m", vllm_command=sys.argv[1], startup_timeout=10.0)
+    s = Settings(managed=True, model="m", vllm_command=sys.argv[1], startup_timeout=120.0)
     sup = Supervisor(s, Metrics(), stop_grace=1.0)
     await sup.start()
     print(sup.status()["pid"], flush=True)
