@@ -1,10 +1,9 @@
 """One request's trace through the gateway into vLLM, drawn: the picture of docs/tracing.md and the README.
 
 Starts an OTLP/HTTP receiver (tests/support/otlp_receiver.py), a real vLLM (CPU build, the tests' tiny model)
-and a gateway, both with ``--otlp-traces-endpoint`` pointing at the receiver; sends one streamed chat request
-carrying a client's ``traceparent`` while another request holds the gateway's one slot (``--max-concurrency 1``,
-so the traced request waits its turn in the queue); then prints every span of its trace and draws them as a
-Gantt chart (matplotlib, the ``bench`` extra).
+and a gateway, both with ``--otlp-traces-endpoint`` pointing at the receiver; after one request that warms them
+up, sends one streamed chat request carrying a client's ``traceparent``; then prints every span of its trace and
+draws them as a Gantt chart (matplotlib, the ``bench`` extra).
 
     .venv/bin/python bench/trace.py                       # writes docs/img/trace.png
     .venv/bin/python bench/trace.py --out /tmp/trace.png
@@ -15,8 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -39,8 +36,6 @@ TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
 WARM_UP_TRACE = "1" * 32
 ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
-# A request that holds the gateway's only slot when the traced one arrives (a few hundred ms here).
-HOLDER_BODY = {"model": SERVED_MODEL_NAME, "prompt": "word " * 200, "max_tokens": 600, "ignore_eos": True}
 
 
 def send_traced(url: str, trace_id: str = WARM_UP_TRACE) -> None:
@@ -60,22 +55,13 @@ def run(out: Path) -> list[ReceivedSpan]:
                                                                       f"{receiver.url}/v1/traces"])
         vllm.env = {**ENV, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf", "OTEL_SERVICE_NAME": "vllm"}
         gateway = gateway_server(vllm.url, Path(tmp) / "gateway.log",
-                                 ["--otlp-traces-endpoint", receiver.url, "--max-concurrency", "1"])
+                                 ["--otlp-traces-endpoint", receiver.url])
         gateway.env = ENV
         try:
             vllm.start().wait_ready(VLLM_READY_PATHS, 300)
             gateway.start().wait_ready(GATEWAY_READY_PATHS, 90)
-            send_traced(gateway.url)  # once unqueued: the tokenizer loaded, the engine warm
-            held: list[httpx.Response] = []
-            holder = threading.Thread(target=lambda: held.append(httpx.post(f"{gateway.url}/v1/completions",
-                                                                            json=HOLDER_BODY, timeout=300)))
-            holder.start()
-            while holder.is_alive() and httpx.get(f"{gateway.url}/guard/status").json()["in_flight"] == 0:
-                time.sleep(0.005)  # a script, not a test: polling the gateway's own status is the point
+            send_traced(gateway.url)  # the tokenizer loaded, the engine warm
             send_traced(gateway.url, TRACE_ID)
-            holder.join()
-            print(f"the request holding the slot: {held[0].status_code}, {held[0].headers.get('x-guard-queue-ms')} ms "
-                  "queued")
             spans = receiver.wait_for(lambda got: "llm_request" in {s.name for s in got if s.trace_id == TRACE_ID}
                                       and f"chat {SERVED_MODEL_NAME}" in {s.name for s in got
                                                                           if s.trace_id == TRACE_ID}, 60)
