@@ -22,7 +22,7 @@ from functools import partial
 from typing import Any
 
 from gateway import errors
-from gateway.admission import refusals, report
+from gateway.admission import order, refusals, report
 from gateway.admission.deadlines import Deadlines
 from gateway.admission.forecast import Forecast
 from gateway.admission.gauges import LoadGauges
@@ -219,7 +219,9 @@ class Admission:
             raise refusals.deadline_now(limit, self._drain.retry_after(len(self._queue), now))
         r.enqueue()
         self._headroom.arrive(r)
-        self._queue.push(r, now, now + limit.seconds)
+        adaptive = self._settings.admission_policy == "adaptive"  # strict keeps arrival order
+        shift = order.queue_shift(r, self._sites, self._block_size, limit.seconds) if adaptive else 0.0
+        self._queue.push(r, now, now + limit.seconds, shift)
         self._pump()
         if r.admitted:
             return

@@ -5,8 +5,11 @@ Bounded by ``--max-queue`` (0: no queue, shed at once with 429); each request wa
 (then 503). Requests wait in lanes. With fair queueing (``--fair-queueing on``) each tenant has its own lane, and
 the next request comes from the waiting tenant with the smallest virtual token counter (see ``fairness``): a
 tenant alone may use the whole engine, tenants that compete share it by weight. Off, one lane holds everyone.
-Within a lane: higher priority first, FIFO within a priority. When the next request cannot be admitted, a smaller
-request behind it that fits may pass it, at most ``--starvation-bound`` times; then it is served first.
+Within a lane: higher priority first, then by arrival, each request's arrival pushed back by the ``shift`` the
+controller gives it (``order``: the more work it brings, the later it counts as arriving, up to a bound, so that
+short requests go first without any waiting much past its time); FIFO with no shift. When the next request
+cannot be admitted, a smaller request behind it that fits may pass it, at most ``--starvation-bound`` times;
+then it is served first.
 ``Retry-After`` is the queue position divided by the releases per second seen over the last minute, bounded to
 1..60 s; with several tenants waiting, the position counts the other tenants' turns taken meanwhile.
 """
@@ -59,13 +62,13 @@ class TenantStatus(TypedDict):
 class _Lane(Generic[W]):
     name: str
     entries: list[_Entry[W]] = field(default_factory=list)  # sorted by key
-    keys: list[tuple[int, int]] = field(default_factory=list)  # the entries' keys, for bisect
+    keys: list[tuple[int, float, int]] = field(default_factory=list)  # the entries' keys, for bisect
 
 
 @dataclass
 class _Entry(Generic[W]):
     item: W
-    key: tuple[int, int]  # (-priority, arrival): the order within a lane
+    key: tuple[int, float, int]  # (-priority, arrival + shift, arrival number): the order within a lane
     enqueued_at: float
     deadline: float
     lane: _Lane[W]
@@ -111,7 +114,8 @@ class WaitQueue(Generic[W]):
         """Waiting requests by tenant (tenants with none left out)."""
         return self._tenant_depth
 
-    def push(self, item: W, now: float, deadline: float) -> None:
+    def push(self, item: W, now: float, deadline: float, shift: float = 0.0) -> None:
+        """Queue ``item``; ``shift``: seconds its place counts as later than its arrival (0: FIFO)."""
         tenant = item.tenant
         if tenant not in self._tenant_depth:
             self.shares.wake(tenant, item.weight, self._tenant_depth)
@@ -119,7 +123,7 @@ class WaitQueue(Generic[W]):
         lane = self._lanes.get(name)
         if lane is None:
             lane = self._lanes[name] = _Lane(name)
-        entry = _Entry(item, (-item.priority, next(self._arrivals)), now, deadline, lane)
+        entry = _Entry(item, (-item.priority, now + shift, next(self._arrivals)), now, deadline, lane)
         at = bisect.bisect(lane.keys, entry.key)
         lane.keys.insert(at, entry.key)
         lane.entries.insert(at, entry)
@@ -217,7 +221,7 @@ class WaitQueue(Generic[W]):
         # Ties (a tenant back from idle is lifted to exactly the smallest counter) go to the lane with fewer
         # waiting, so that a sparse tenant goes at the next release rather than after one more of a flood's
         # requests; then to the lane whose next request came first.
-        return self.shares.counter(lane.name), len(lane.entries), lane.keys[0][1]
+        return self.shares.counter(lane.name), len(lane.entries), lane.keys[0][2]
 
     def _next_lane(self) -> _Lane[W] | None:
         if len(self._lanes) <= 1:

@@ -39,7 +39,10 @@ def sim(tokenizer: Any, tokenizer_dir: Path) -> Iterator[SimServer]:
 
 @contextlib.contextmanager
 def gateway(base_settings: Settings, sim: SimServer, fair: str) -> Iterator[GatewayServer]:
-    with run_gateway(base_settings, upstream=sim.url, max_concurrency=1, fair_queueing=fair) as gw:
+    # strict: arrival order within a tenant's lane (the default policy also puts shorter work first).
+    with run_gateway(
+        base_settings, upstream=sim.url, max_concurrency=1, fair_queueing=fair, admission_policy="strict"
+    ) as gw:
         yield gw
 
 

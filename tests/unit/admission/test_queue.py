@@ -106,7 +106,7 @@ async def test_higher_priority_first_then_fifo() -> None:
 
 
 async def test_smaller_requests_pass_a_blocked_head_at_most_the_starvation_bound() -> None:
-    rig = Rig(starvation_bound=2)
+    rig = Rig(starvation_bound=2, admission_policy="strict")  # arrival order: the big one is the head
     holder = await rig.req(6).__aenter__()
     big = rig.req(8)
     smalls = [rig.req(1) for _ in range(3)]
