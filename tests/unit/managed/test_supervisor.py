@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -226,10 +227,23 @@ async def test_too_many_restarts_within_the_window_leave_it_down(
     await finish()
 
 
+def free_pair() -> int:
+    """A free port whose next is free too: the second engine takes ``--vllm-port`` + 1 (a busy machine's other
+    tests took it once)."""
+    while True:
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+
+
 async def test_a_second_engine_runs_on_the_next_port_with_its_devices_and_leaves_the_state_gauge_alone(
     state: Path, supervisors: list[Supervisor]
 ) -> None:
-    s = settings(state, vllm_port=free_port(), engine_devices="0;1")
+    s = settings(state, vllm_port=free_pair(), engine_devices="0;1")
     sup, metrics = make(supervisors, s, index=1, devices="1")
     assert (sup.name, sup.port) == ("1", s.vllm_port + 1)
     await sup.start()
