@@ -25,13 +25,10 @@ _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}
 
 
 def trace_id_of(ctx: RequestContext | None, headers: Mapping[str, str]) -> str | None:
-    """The request's trace id: the gateway's own trace's when tracing gives one (``ctx.trace.trace_id()``),
-    else the caller's, from its W3C ``traceparent``; None when neither says.
-
-    The one place the access log reads a trace id: tracing (``gateway/observe/tracing.py``) is the seam."""
-    own = getattr(getattr(ctx, "trace", None), "trace_id", None)
-    if callable(own) and isinstance(tid := own(), str) and tid:
-        return tid
+    """The request's trace id: the gateway's own trace's while tracing is on, else the caller's, from its W3C
+    ``traceparent``; None when neither says."""
+    if ctx is not None and (own := ctx.trace.trace_id()) is not None:
+        return own
     match = _TRACEPARENT.match(headers.get("traceparent", ""))
     return match.group(1) if match is not None and match.group(1) != "0" * 32 else None
 

@@ -73,6 +73,9 @@ class OtelRequestTrace(RequestTrace):
         self._outcome: str | None = None  # "ok", "error" or "cancelled" once known
         self._done = False
 
+    def trace_id(self) -> str | None:
+        return format(self._span.get_span_context().trace_id, "032x")
+
     def _context(self) -> Context:
         return trace.set_span_in_context(self._open[-1][0] if self._open else self._span)
 

@@ -78,6 +78,10 @@ class RequestTrace:
     def end(self) -> None:
         """The request is over (answered, refused, failed, or its client gone)."""
 
+    def trace_id(self) -> str | None:
+        """The request's trace id (32 hex digits) for the access log; None while tracing is off."""
+        return None
+
 
 OFF = RequestTrace()
 

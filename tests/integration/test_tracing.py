@@ -6,6 +6,7 @@ The simulator is wrapped in a recorder of the trace headers each generating requ
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tests.support.vllm_sim as vllm_sim
 from gateway.config import Settings
+from gateway.observe.access_log import LOGGER_NAME
 from tests.support.harness import run_gateway
 from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, run_otlp_receiver
 from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
@@ -164,6 +166,17 @@ def test_a_request_without_a_traceparent_starts_a_trace(traced: str, receiver: O
     assert trace_id != CLIENT_TRACE
     spans = receiver.wait_for(whole(trace_id, *STAGES))
     assert request_span(spans, trace_id).parent_span_id == ""
+
+
+def test_the_access_log_names_the_gateways_own_trace(
+    traced: str, receiver: OtlpReceiver, engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    assert chat(traced, "traced-logged").status_code == 200
+    trace_id = engine.recorder.seen["traced-logged"]["traceparent"].split("-")[1]
+    receiver.wait_for(whole(trace_id, *STAGES))  # the request is over once its span is exported
+    lines = [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME and "traced-logged" in r.getMessage()]
+    assert len(lines) == 1 and f"trace_id={trace_id}" in lines[0].split()
 
 
 def test_a_stream_has_its_first_token_under_the_exchange(traced: str, receiver: OtlpReceiver, engine: Engine) -> None:
