@@ -12,11 +12,13 @@ import httpx
 import pytest
 
 from tests.integration import test_admission_flood as flood_rig
+from tests.integration import test_overload as overload_rig
 from tests.integration.test_admission_flood import HOLDER, QUEUE_RIG, WAITER, completion, held_reservation
 from tests.support.harness import GatewayServer
 from tests.support.vllm_sim import SimServer
 
 exits, make_sim, make_gateway = flood_rig.exits, flood_rig.make_sim, flood_rig.make_gateway
+rig = overload_rig.rig
 
 
 @pytest.mark.parametrize(
@@ -53,3 +55,23 @@ async def test_a_bad_deadline_header_is_a_400_naming_it(
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", "x-guard-deadline-ms")
+
+
+async def test_under_sustained_overload_the_ttft_objective_keeps_admitted_requests_within_it(
+    rig: Callable[..., GatewayServer],
+) -> None:
+    """The overload of test_overload (about three times what the engine serves) with --ttft-objective 1: every
+    request is answered having waited at most the objective, or refused with 503 deadline, most of them early."""
+    objective = 1.0
+    gw = rig(ttft_objective=objective)
+    await overload_rig.overload(gw.url, 12, float("inf"))  # releases to learn the rate from
+    answers = await overload_rig.overload(gw.url)
+    counted = overload_rig.codes(answers)
+    assert set(counted) <= {"ok", "deadline"} and counted.get("ok", 0) >= 8 and counted.get("deadline", 0) >= 8, (
+        counted
+    )
+    waits = [float(r.headers["x-guard-queue-ms"]) for r, _ in answers if r.status_code == 200]
+    assert max(waits) <= 1000 * objective + 250, waits  # the deadline timer's slack on a busy machine
+    refused = [seconds for r, seconds in answers if r.status_code != 200]
+    assert all(int(r.headers["retry-after"]) >= 1 for r, _ in answers if r.status_code != 200)
+    assert sorted(refused)[len(refused) // 2] < objective  # most refused before waiting the objective out
