@@ -25,6 +25,8 @@ counters), failed requests; the median of the runs by throughput.
     .venv/bin/python bench/prefix.py                       # every workload, direct / strict / adaptive, 3 runs
     .venv/bin/python bench/prefix.py --workload shared --repeat 5
     .venv/bin/python bench/prefix.py --workload chat --policy strict --policy strict+time
+    .venv/bin/python bench/prefix.py --workload shared --workload chat --workload overload \
+        --policy watermark --policy strict --policy default     # vLLM's --watermark 0.05 beside the gateway
 """
 
 from __future__ import annotations
@@ -62,7 +64,11 @@ COUNTERS = ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total", "vllm:
 GATEWAY_ARGS = ("--queue-timeout", "600")
 # Gateway targets: the admission policy, and strict with time-aware booking (``--time-aware on``).
 MODES = {"strict": ("--admission-policy", "strict"), "adaptive": ("--admission-policy", "adaptive"),
-         "strict+time": ("--admission-policy", "strict", "--time-aware", "on")}
+         "strict+time": ("--admission-policy", "strict", "--time-aware", "on"),
+         "default": ()}  # the gateway as it starts without a policy flag
+# Not a gateway: a second vLLM with the same cache and vLLM's own --watermark, what a user would set instead.
+WATERMARK = "watermark"
+WATERMARK_ARGS = ("--watermark", "0.05")
 
 
 @dataclass
@@ -215,7 +221,8 @@ def table(results: dict[str, dict[str, list[Run]]], targets: Sequence[str]) -> s
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", action="append", choices=sorted(WORKLOADS), help="repeatable; default all")
-    parser.add_argument("--policy", action="append", choices=sorted(MODES), help="default strict and adaptive")
+    parser.add_argument("--policy", action="append", choices=sorted([*MODES, WATERMARK]),
+                        help="default strict and adaptive; 'watermark' is vLLM alone with --watermark 0.05")
     parser.add_argument("--repeat", type=int, default=3, help="runs per cell, taken in turns (3)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
     args = parser.parse_args(argv)
@@ -225,14 +232,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"prefix: logs in {logs}", file=sys.stderr)
     model = ensure_tiny_model(DEFAULT_MAX_MODEL_LEN)
     vllm = vllm_server(model, logs / "vllm.log")
+    watermarked = vllm_server(model, logs / "vllm-watermark.log", extra_args=WATERMARK_ARGS)
     gateways: dict[str, ServerProcess] = {}
     results: dict[str, dict[str, list[Run]]] = {n: {} for n in names}
     targets = ["direct", *policies]
     try:
         vllm.start()
+        if WATERMARK in policies:
+            watermarked.start()
+            watermarked.wait_ready(VLLM_READY_PATHS, 600)
         vllm.wait_ready(VLLM_READY_PATHS, 600)
         version = get_json(f"{vllm.url}/version").get("version", "?")
-        for key, (p, n) in {gateway_key(p, n): (p, n) for p in policies for n in names}.items():
+        gated = [p for p in policies if p != WATERMARK]
+        for key, (p, n) in {gateway_key(p, n): (p, n) for p in gated for n in names}.items():
             extra = WORKLOAD_GATEWAY_ARGS.get(n, ())
             gateways[key] = gateway_server(vllm.url, logs / f"{key}.log", [*GATEWAY_ARGS, *MODES[p], *extra])
             gateways[key].start()
@@ -242,15 +254,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 # Rotate the order each round: the first run of a round is not always the same target.
                 order = targets[rep % len(targets):] + targets[: rep % len(targets)]
                 for j, target in enumerate(order):
-                    base = vllm.url if target == "direct" else gateways[gateway_key(target, name)].url
+                    engine = watermarked if target == WATERMARK else vllm
+                    base = engine.url if target in ("direct", WATERMARK) else gateways[gateway_key(target, name)].url
                     seed = 1000 * rep + 10 * i + j
-                    run = measure(vllm, WORKLOADS[name], base, model, seed)
+                    run = measure(engine, WORKLOADS[name], base, model, seed)
                     results[name].setdefault(target, []).append(run)
                     print(f"prefix: run {rep + 1} {name} {target}: {run}", file=sys.stderr)
     finally:
         for g in gateways.values():
             g.stop()
         vllm.stop()
+        if watermarked.alive():
+            watermarked.stop()
     report = (f"vLLM {version} (CPU build), prefix caching on, 32-block KV cache; {args.repeat} runs per cell in "
               f"turns; command: `.venv/bin/python bench/prefix.py {' '.join(argv or sys.argv[1:])}`\n\n"
               + table(results, targets)
