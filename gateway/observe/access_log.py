@@ -119,21 +119,33 @@ class AccessLog:
             self._logger.info("%s", self._format(record))
 
 
-def install_default_handler(
-    fmt: AccessLogFormat, stream: IO[str] | None = None
-) -> logging.handlers.QueueListener | None:
+class DefaultHandler:
+    """The access log's queue handler on its logger and the writer thread draining it; ``stop`` writes what is
+    still queued and gives the logger back as it was, so a process that serves twice (or a test) starts clean."""
+
+    def __init__(self, logger: logging.Logger, handler: logging.Handler, out: logging.Handler,
+                 records: queue.SimpleQueue[logging.LogRecord]) -> None:
+        self._logger, self._handler = logger, handler
+        self._listener = logging.handlers.QueueListener(records, out)
+        self._listener.start()
+
+    def stop(self) -> None:
+        self._listener.stop()
+        self._logger.removeHandler(self._handler)
+        self._logger.propagate, self._logger.level = True, logging.NOTSET
+
+
+def install_default_handler(fmt: AccessLogFormat, stream: IO[str] | None = None) -> DefaultHandler | None:
     """Route the access log to ``stream`` (standard output) through a queue and a writer thread, unless it is off
-    or logging routes it already. Returns the listener, started: the caller stops it on shutdown (it writes
-    what is still queued)."""
+    or logging routes it already. Returns the handler, started: the caller stops it on shutdown."""
     logger = logging.getLogger(LOGGER_NAME)
     if fmt == "off" or logger.handlers:
         return None
     out = logging.StreamHandler(stream if stream is not None else sys.stdout)
     out.setFormatter(logging.Formatter("%(message)s"))
     records: queue.SimpleQueue[logging.LogRecord] = queue.SimpleQueue()
-    logger.addHandler(logging.handlers.QueueHandler(records))
+    handler = logging.handlers.QueueHandler(records)
+    logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # the root handler would print it again, with its own prefix
-    listener = logging.handlers.QueueListener(records, out)
-    listener.start()
-    return listener
+    return DefaultHandler(logger, handler, out, records)

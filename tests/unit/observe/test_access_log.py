@@ -82,11 +82,9 @@ def test_the_default_handler_writes_plain_lines_through_its_thread_and_stops() -
         assert install_default_handler("text", out) is None  # routed already: left as it is
         AccessLog("text").write(RECORD)
     finally:
-        listener.stop()  # writes what is queued
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
-        logger.propagate, logger.level = True, logging.NOTSET
+        listener.stop()  # writes what is queued, and gives the logger back as it was
     assert out.getvalue() == format_text(RECORD) + "\n"
+    assert (logger.handlers, logger.propagate, logger.level) == ([], True, logging.NOTSET)
 
 
 def test_off_installs_nothing() -> None:
