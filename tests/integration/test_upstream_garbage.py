@@ -185,12 +185,12 @@ def test_a_gzip_stream_cut_short_ends_with_an_error_event(gateway: GatewayServer
     assert_openai_error(orjson.loads(writes[2][6:]), "server_error", "bad_upstream_response")
 
 
-# -- pass-through routes --------------------------------------------------------------------------
+# -- pass-through routes (/detokenize: the gateway answers /tokenize itself when it has the tokenizer) ----------
 def test_a_pass_through_keeps_the_upstream_retry_after_and_sends_identity(
     gateway: GatewayServer, upstream: BadUpstream
 ) -> None:
     upstream.answer = full(503, vllm_error("busy", "ServiceUnavailableError", 503), headers=(("retry-after", "6"),))
-    r = httpx.post(gateway.url + "/tokenize", json={"model": "tiny", "prompt": "hi"},
+    r = httpx.post(gateway.url + "/detokenize", json={"model": "tiny", "tokens": [7]},
                    headers={"accept-encoding": "gzip, br"})
     assert r.status_code == 503 and r.headers["retry-after"] == "6"
     assert_openai_error(r.json(), "server_error", None)
@@ -199,7 +199,7 @@ def test_a_pass_through_keeps_the_upstream_retry_after_and_sends_identity(
 
 def test_a_pass_through_405_gets_an_openai_type(gateway: GatewayServer, upstream: BadUpstream) -> None:
     upstream.answer = full(405, vllm_error("Method Not Allowed", "Method Not Allowed", 405))
-    r = httpx.post(gateway.url + "/tokenize", json={"model": "tiny", "prompt": "hi"})
+    r = httpx.post(gateway.url + "/detokenize", json={"model": "tiny", "tokens": [7]})
     assert r.status_code == 405
     assert_openai_error(r.json(), "invalid_request_error", None)
 
@@ -207,8 +207,8 @@ def test_a_pass_through_405_gets_an_openai_type(gateway: GatewayServer, upstream
 def test_a_compressed_pass_through_body_keeps_its_content_encoding(
     gateway: GatewayServer, upstream: BadUpstream
 ) -> None:
-    body = b'{"count": 1, "tokens": [7]}'
+    body = b'{"prompt": "hi"}'
     upstream.answer = full(200, gzip.compress(body), headers=GZIP)
-    reply = raw_request(gateway.url, "/tokenize", b'{"model": "tiny", "prompt": "hi"}')
+    reply = raw_request(gateway.url, "/detokenize", b'{"model": "tiny", "tokens": [7]}')
     assert reply.status == 200 and reply.headers["content-encoding"] == "gzip"
     assert gzip.decompress(reply.body) == body
