@@ -84,7 +84,7 @@ class Outcome:
 
     @property
     def completion_tokens(self) -> int | None:
-        """Tokens generated: the answer's usage, or a stream's events relayed so far."""
+        """Tokens generated, as the engine counts them (its usage figures, streamed answers included)."""
         return self.output.generated if self.output is not None else None
 
     def headers(self) -> dict[str, str]:
