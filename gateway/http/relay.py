@@ -138,14 +138,21 @@ class EventStreamResponse(StreamingResponse):
         spool = self.spool
         try:
             async for event in self.events:
-                if not spool.put(event) and not await spool.room():
-                    error = ClientTooSlow(
-                        f"The stream was cut: the client did not read its answer fast enough ({spool.buffered} "
-                        f"bytes were waiting for it; the limit is {self._max_buffered} bytes)."
-                    )
-                    log.warning("stream cut: %s", error.message)
-                    spool.cut(error)
-                    break
+                wake = spool.writer_waiting
+                if spool.put(event) or await spool.room():
+                    if wake:
+                        # The woken writer sends this event now. The engine's events that are already read wait
+                        # on no I/O: without this the pump reads a fast engine's whole answer before the first
+                        # write (seen: a 1,024-token stream's first token reached the client with its last).
+                        await asyncio.sleep(0)
+                    continue
+                error = ClientTooSlow(
+                    f"The stream was cut: the client did not read its answer fast enough ({spool.buffered} "
+                    f"bytes were waiting for it; the limit is {self._max_buffered} bytes)."
+                )
+                log.warning("stream cut: %s", error.message)
+                spool.cut(error)
+                break
             spool.finish()
         except GatewayError as exc:
             spool.finish(exc)

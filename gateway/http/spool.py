@@ -35,6 +35,11 @@ class Spool:
         self.sending = False  # the writer is in a write (suspended there only while its client holds it)
 
     @property
+    def writer_waiting(self) -> bool:
+        """The writer waits for the next event (it has written everything queued so far)."""
+        return self._waiting
+
+    @property
     def buffered(self) -> int:
         """Bytes of the events waiting for the writer."""
         return self._bytes

@@ -114,6 +114,24 @@ async def test_many_events_from_one_read_past_the_bound_reach_a_client_that_read
     assert client.got == EVENTS  # the writer took them before anything was cut
 
 
+async def test_a_fast_engines_events_reach_a_reading_client_as_they_are_read() -> None:
+    # Events already read from the upstream wait on no I/O: the writer must still get each one before the pump
+    # reads the rest, or the first token reaches the client with the last.
+    engine, client = Engine(EVENTS, one_read=True), Client(reads=True)
+    read_at_each_write: list[int] = []
+    send = client.send
+
+    async def recording(message: dict[str, Any]) -> None:
+        if message.get("body"):
+            read_at_each_write.append(engine.read)
+        await send(message)
+
+    client.send = recording  # type: ignore[method-assign]
+    await asyncio.wait_for(await started(engine, client, limit=64 * 1024), 2)
+    assert client.got == EVENTS
+    assert read_at_each_write[0] <= 2, read_at_each_write
+
+
 async def test_one_event_larger_than_the_bound_reaches_a_client_that_reads() -> None:
     big = b"data: " + b"y" * 5000 + b"\n\n"
     engine, client = Engine([big, *EVENTS[:3]]), Client(reads=True)
