@@ -42,7 +42,9 @@ def _stream_once(client: openai.OpenAI, vllm: ServerProcess) -> tuple[float, lis
     return generated_at_first_token, chunks, dict(raw.headers)
 
 
-def test_a_chat_stream_arrives_chunk_by_chunk_with_usage_last(client: openai.OpenAI, vllm: ServerProcess) -> None:
+def test_a_chat_stream_arrives_chunk_by_chunk_with_usage_last(
+    client: openai.OpenAI, vllm_client: openai.OpenAI, vllm: ServerProcess
+) -> None:
     seen: list[float] = []
     for _ in range(ATTEMPTS):
         generated_at_first_token, chunks, headers = _stream_once(client, vllm)
@@ -50,6 +52,11 @@ def test_a_chat_stream_arrives_chunk_by_chunk_with_usage_last(client: openai.Ope
         if generated_at_first_token < GENERATED:
             break
 
+    if min(seen) >= GENERATED:
+        # Every stream came in one burst. Whether the relay is to blame shows beside vLLM alone under the same load.
+        direct = [_stream_once(vllm_client, vllm)[0] for _ in range(2)]
+        if min(direct) >= GENERATED:
+            pytest.skip(f"vLLM alone also delivered every stream in one burst ({direct}): too busy a machine to tell")
     assert min(seen) < GENERATED, f"the first token arrived only after all {GENERATED} were generated: {seen}"
     content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
     # One token per engine step: a relay that merged chunks would hand over far fewer.
