@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -24,6 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -308,3 +310,33 @@ def _offline_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
     return env
+
+
+def held_at_once(gateway: ServerProcess, request_ids: Sequence[str], timeout: float = 30.0) -> dict[str, int]:
+    """The most of ``request_ids`` the gateway held admitted at once, overall ("") and per engine, from its own
+    access log (each line: arrival, queue wait, duration, engine). Sampling ``/guard/status`` from a client on a
+    busy machine can miss a flood that ends between two samples; the gateway's clock does not."""
+    wanted = set(request_ids)
+    spans: dict[str, tuple[float, float, str]] = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        for line in gateway.log_path.read_text(errors="replace").splitlines():
+            if not line.startswith("time="):
+                continue
+            fields = dict(token.split("=", 1) for token in shlex.split(line) if "=" in token)
+            if fields.get("request_id") in wanted and fields.get("status") == "200":
+                start = datetime.fromisoformat(fields["time"].replace("Z", "+00:00")).timestamp()
+                begin = start + float(fields["queue_ms"] or 0) / 1000
+                spans[fields["request_id"]] = (begin, start + float(fields["duration_ms"]) / 1000, fields["engine"])
+        if len(spans) == len(wanted) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    peaks: dict[str, int] = {}
+    for engine in {"", *(e for _, _, e in spans.values())}:
+        mine = [(b, e) for b, e, eng in spans.values() if engine in ("", eng)]
+        edges = sorted(edge for b, e in mine for edge in ((b, 1), (e, -1)))
+        running = 0
+        for _, step in edges:  # an end before a start at the same instant: one request left as the next came in
+            running += step
+            peaks[engine] = max(peaks.get(engine, 0), running)
+    return peaks

@@ -26,6 +26,7 @@ from .servers import (
     ServerStartError,
     gateway_server,
     get_json,
+    held_at_once,
     scrape_by_engine,
     vllm_server,
 )
@@ -96,8 +97,9 @@ def body(i: int) -> dict[str, Any]:
     return {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
-async def flood(gateway: ServerProcess) -> tuple[list[httpx.Response], dict[str, int]]:
-    """The flood at once; also the most requests each site held at a time, from ``/guard/status``."""
+async def flood(gateway: ServerProcess, tag: str = "flood") -> tuple[list[httpx.Response], dict[str, int]]:
+    """The flood at once (request ids ``tag-i``); also the most requests each site held at a time, sampled from
+    ``/guard/status`` (a busy machine's samples can miss a site's requests: never more than it held)."""
     peak: dict[str, int] = {}
     done = asyncio.Event()
     async with httpx.AsyncClient(timeout=300.0, limits=httpx.Limits(max_connections=FLOOD + 2)) as client:
@@ -110,7 +112,8 @@ async def flood(gateway: ServerProcess) -> tuple[list[httpx.Response], dict[str,
 
         watcher = asyncio.create_task(watch())
         answers = await asyncio.gather(
-            *(client.post(f"{gateway.url}/v1/completions", json=body(i)) for i in range(FLOOD))
+            *(client.post(f"{gateway.url}/v1/completions", json=body(i), headers={"x-request-id": f"{tag}-{i}"})
+              for i in range(FLOOD))
         )
         done.set()
         await watcher
@@ -131,7 +134,10 @@ async def test_a_flood_spreads_over_data_parallel_ranks_without_preemptions(
     assert [a.status_code for a in answers] == [200] * FLOOD, [a.text for a in answers if a.status_code != 200]
     placed = Counter(a.headers["x-guard-engine"] for a in answers)
     assert set(placed) == set(SITES), placed  # every site took part
-    assert all(1 <= peak[s] <= 2 for s in SITES), peak  # two 11-block requests fit a 32-block site, three do not
+    # Two 11-block requests fit a 32-block site, three do not: at most two sampled at once, and at least one held
+    # (the gateway's own log says, where the samples missed a site's short turn).
+    logged = held_at_once(engines_gateway, [f"flood-{i}" for i in range(FLOOD)])
+    assert all(max(peak.get(s, 0), logged.get(s, 0)) >= 1 and peak.get(s, 0) <= 2 for s in SITES), (peak, logged)
     for url in (vllm.url, dp_vllm.url):
         assert scrape_by_engine(f"{url}/metrics", preempted) == before[url], f"{url} preempted"
     # vLLM ran each request on the rank the gateway booked it on (the x-data-parallel-rank header).

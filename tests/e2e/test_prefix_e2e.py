@@ -13,7 +13,14 @@ import httpx
 import pytest
 
 from .conftest import GATEWAY_START_TIMEOUT, _log_dir, _start
-from .servers import GATEWAY_READY_PATHS, SERVED_MODEL_NAME, ServerProcess, gateway_server, scrape_counter
+from .servers import (
+    GATEWAY_READY_PATHS,
+    SERVED_MODEL_NAME,
+    ServerProcess,
+    gateway_server,
+    held_at_once,
+    scrape_counter,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -60,7 +67,8 @@ async def test_a_shared_prefix_flood_through_strict_shares_and_never_preempts(
 
         watcher = asyncio.create_task(watch())
         answers = await asyncio.gather(
-            *(client.post(f"{strict_gateway.url}/v1/completions", json=body(i)) for i in range(FLOOD))
+            *(client.post(f"{strict_gateway.url}/v1/completions", json=body(i), headers={"x-request-id": f"shared-{i}"})
+              for i in range(FLOOD))
         )
         done.set()
         await watcher
@@ -69,5 +77,6 @@ async def test_a_shared_prefix_flood_through_strict_shares_and_never_preempts(
     assert scrape_counter(metrics, "vllm:num_preemptions_total") == before["vllm:num_preemptions_total"]
     hits = scrape_counter(metrics, "vllm:prefix_cache_hits_total") - before["vllm:prefix_cache_hits_total"]
     assert hits >= (FLOOD - 1) * SHAREABLE * BLOCK  # vLLM shared what the gateway booked once
+    peak = max(peak, held_at_once(strict_gateway, [f"shared-{i}" for i in range(FLOOD)])[""])
     assert peak >= 5 and ratio > 2.0  # unshared, 11-block requests would run two at a time in 31 blocks
     assert final["committed_blocks"] == 0 and final["prefix_sharing"]["shared_blocks_held"] == 0
