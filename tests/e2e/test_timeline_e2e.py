@@ -76,6 +76,22 @@ def most_at_once(spans: list[tuple[float, float]]) -> int:
 ATTEMPTS = 3  # floods at most, until one shows the overlap
 
 
+async def shown_while_streaming(client: httpx.AsyncClient, url: str) -> bool:
+    """Whether /guard/status shows a stream it tracks by time while one is surely open (a watcher sampling during
+    a flood on two busy cores can see none: the flood ends between two samples)."""
+    async with client.stream("POST", f"{url}/v1/completions", json=body(FLOOD)) as answer:
+        async for line in answer.aiter_lines():
+            if line.startswith("data: {"):
+                break
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = (await client.get(f"{url}/guard/status")).json()
+            if status["time_aware"]["on"] and status["time_aware"]["tracked_in_flight"] > 0:
+                return True
+            await asyncio.sleep(0.05)
+    return False
+
+
 async def test_a_staggered_flood_through_time_aware_strict_runs_more_at_once_and_never_preempts(
     vllm: ServerProcess, time_aware_gateway: ServerProcess
 ) -> None:
@@ -106,7 +122,10 @@ async def test_a_staggered_flood_through_time_aware_strict_runs_more_at_once_and
             most.append(most_at_once([(head, end) for _, head, end in answers]))
             if most[-1] > budget // BLOCKS_EACH:
                 break
-        final = (await client.get(f"{url}/guard/status")).json()
+        shown = shown or await shown_while_streaming(client, url)
+        deadline = time.monotonic() + 30  # a stream left early is released once the gateway sees its client gone
+        while (final := (await client.get(f"{url}/guard/status")).json())["in_flight"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
     assert shown  # /guard/status showed the streams whose end it knew
     # The books alone hold at most budget // 4 of these at once; time-aware strict held more. Counted from the
     # streams' own spans: a watcher sampling /guard/status on two busy cores can miss the overlap.
