@@ -51,7 +51,6 @@ MAX_TOKEN_ID = 2**63 - 1  # vLLM's DetokenizeRequest: ids are 0 <= id <= 2**63 -
 
 async def tokenize(parts: Parts, request: Request) -> Response:
     rid = request_id(request)
-    authenticate(parts.settings, request)
     read = await _read(parts, request)
     if read is None:
         return Response(status_code=499)
@@ -72,7 +71,6 @@ async def tokenize(parts: Parts, request: Request) -> Response:
 
 async def detokenize(parts: Parts, request: Request) -> Response:
     rid = request_id(request)
-    authenticate(parts.settings, request)
     read = await _read(parts, request)
     if read is None:
         return Response(status_code=499)
@@ -98,8 +96,9 @@ HANDLERS: dict[str, Callable[[Parts, Request], Awaitable[Response]]] = {
 
 
 async def _read(parts: Parts, request: Request) -> tuple[bytes, dict[str, Any]] | None:
-    """The body within the guarded routes' limits, and its JSON object (parsed off the loop when large); None
-    when the client left while sending it."""
+    """The caller authenticated, then the body within the guarded routes' limits and its JSON object (parsed off
+    the loop when large); None when the client left while sending it."""
+    authenticate(parts.settings, request)
     try:
         raw = await read_body(request, BodyLimits.of(parts.settings))
     except ClientDisconnect:
