@@ -74,14 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="what fits on a GPU: weights, KV bytes per token, max_model_len")
     doctor = sub.add_parser("doctor", help="check GPU, stale processes, upstream and configuration")
-    try:
-        from gateway.tools import doctor as doctor_mod
-        from gateway.tools import planner
+    # A missing dependency must fail loudly here: swallowed, it showed up as "unrecognized arguments".
+    from gateway.tools import doctor as doctor_mod
+    from gateway.tools import planner
 
-        planner.add_plan_arguments(plan)
-        doctor_mod.add_doctor_arguments(doctor)
-    except ImportError:  # pragma: no cover - only while a partial checkout is being built
-        pass
+    planner.add_plan_arguments(plan)
+    doctor_mod.add_doctor_arguments(doctor)
     return parser
 
 

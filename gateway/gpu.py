@@ -47,6 +47,14 @@ class GpuDevice:
     free_bytes: int
     used_bytes: int
     processes: tuple[GpuProcess, ...] = ()
+    # Held by the driver and never given to CUDA: 615 MiB on an H200 (NVML's total 150,754,820,096 B,
+    # cudaMemGetInfo's 150,109,880,320 B). vLLM sizes its share of the card from what CUDA sees.
+    reserved_bytes: int = 0
+
+    @property
+    def usable_bytes(self) -> int:
+        """The memory CUDA reports as the card's total: what ``gpu_memory_utilization`` is a share of."""
+        return self.total_bytes - self.reserved_bytes
 
 
 @dataclass(frozen=True)
@@ -58,10 +66,10 @@ class GpuReport:
     devices: tuple[GpuDevice, ...] = ()
 
     def total_memory_bytes(self, count: int = 1) -> int | None:
-        """The smallest total memory among the first ``count`` GPUs (what a parallel plan can use)."""
+        """The smallest memory CUDA sees among the first ``count`` GPUs (what a parallel plan can use)."""
         if not self.available or len(self.devices) < count:
             return None
-        return min(d.total_bytes for d in self.devices[:count])
+        return min(d.usable_bytes for d in self.devices[:count])
 
 
 def load_nvml() -> Any | None:
@@ -94,11 +102,21 @@ def _session(nvml: Any) -> Iterator[None]:
 
 
 def proc_name(pid: int, proc_root: Path = Path("/proc")) -> str:
-    """A process's command name from /proc, or "" where it is not visible (another pid namespace)."""
+    """A process's command name from /proc, or "" where it is not visible (another pid namespace).
+
+    vLLM names its engine processes (``VLLM::EngineCore``, ``VLLM::Worker``) through setproctitle; an older one
+    or one started as ``python -m vllm...`` is known by its command line, given when the name does not say it.
+    """
     try:
-        return (proc_root / str(pid) / "comm").read_text(encoding="utf-8").strip()
+        comm = (proc_root / str(pid) / "comm").read_text(encoding="utf-8").strip()
     except OSError:
         return ""
+    try:
+        argv = (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return comm
+    command = " ".join(a.decode("utf-8", "replace") for a in argv if a)
+    return f"{comm} ({command[:120]})" if "vllm" in command.lower() and "vllm" not in comm.lower() else comm
 
 
 def _processes(nvml: Any, handle: Any, index: int, name_of: Callable[[int], str]) -> tuple[GpuProcess, ...]:
@@ -118,11 +136,25 @@ def _processes(nvml: Any, handle: Any, index: int, name_of: Callable[[int], str]
             used_bytes = int(used) if isinstance(used, int) and 0 <= used < 2**63 else None
             if pid in seen and seen[pid].used_bytes is not None:
                 continue
-            name = ""
-            with contextlib.suppress(Exception):
-                name = _text(nvml.nvmlSystemGetProcessName(pid))
-            seen[pid] = GpuProcess(pid=pid, name=name or name_of(pid), used_bytes=used_bytes, gpu_index=index)
+            # NVML names the executable (/usr/bin/python3 for every vLLM on an H200 host): /proc says which.
+            name = name_of(pid)
+            if not name:
+                with contextlib.suppress(Exception):
+                    name = _text(nvml.nvmlSystemGetProcessName(pid))
+            seen[pid] = GpuProcess(pid=pid, name=name, used_bytes=used_bytes, gpu_index=index)
     return tuple(seen.values())
+
+
+def _memory(nvml: Any, handle: Any) -> tuple[int, int, int, int]:
+    """Total, reserved, free and used bytes. NVML's version 2 (drivers 510+) parts the driver's reserve from
+    what processes use; version 1 counts it as used and has no reserve of its own."""
+    v2 = getattr(nvml, "nvmlMemory_v2", None)
+    if v2 is not None:
+        with contextlib.suppress(Exception):
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle, version=v2)
+            return int(mem.total), int(mem.reserved), int(mem.free), int(mem.used)
+    mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+    return int(mem.total), 0, int(mem.free), int(mem.used)
 
 
 def query_gpus(nvml: Any | None = None, *, name_of: Callable[[int], str] = proc_name) -> GpuReport:
@@ -140,16 +172,17 @@ def query_gpus(nvml: Any | None = None, *, name_of: Callable[[int], str] = proc_
             devices = []
             for index in range(int(nvml.nvmlDeviceGetCount())):
                 handle = nvml.nvmlDeviceGetHandleByIndex(index)
-                mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+                total, reserved, free, used = _memory(nvml, handle)
                 devices.append(
                     GpuDevice(
                         index=index,
                         name=_text(nvml.nvmlDeviceGetName(handle)),
                         uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
-                        total_bytes=int(mem.total),
-                        free_bytes=int(mem.free),
-                        used_bytes=int(mem.used),
+                        total_bytes=total,
+                        free_bytes=free,
+                        used_bytes=used,
                         processes=_processes(nvml, handle, index, name_of),
+                        reserved_bytes=reserved,
                     )
                 )
     except nvml.NVMLError as exc:

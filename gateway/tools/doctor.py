@@ -103,13 +103,14 @@ def gpu_findings(
             "Upgrade the NVIDIA driver",
         ))
     for dev in report.devices:
-        want = int(dev.total_bytes * gpu_memory_utilization)
+        want = int(dev.usable_bytes * gpu_memory_utilization)
         holders = ", ".join(
             f"pid {p.pid} {p.name or '?'} {p.used_mib if p.used_mib is not None else '?'} MiB"
             for p in dev.processes
         )
-        summary = (f"GPU {dev.index} {dev.name}: {dev.used_bytes / GIB:.2f} of {dev.total_bytes / GIB:.2f} GiB "
-                   f"used, {dev.free_bytes / GIB:.2f} GiB free")
+        reserve = f" ({dev.reserved_bytes / GIB:.2f} GiB more reserved by the driver)" if dev.reserved_bytes else ""
+        summary = (f"GPU {dev.index} {dev.name}: {dev.used_bytes / GIB:.2f} of {dev.usable_bytes / GIB:.2f} GiB "
+                   f"used{reserve}, {dev.free_bytes / GIB:.2f} GiB free")
         if dev.free_bytes >= want:
             out.append(Finding("vram", "ok", summary))
         else:

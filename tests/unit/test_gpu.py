@@ -86,22 +86,23 @@ class FakeNVML:
     def nvmlSystemGetProcessName(self, pid: int) -> str:
         if pid == 102:
             raise FakeNVMLError(3)
-        return "VLLM::EngineCore"
+        return "/usr/bin/python3"  # the executable, as a real driver names a vLLM engine
 
 
 @pytest.mark.parametrize("old_bytes", [False, True])
 def test_a_fake_nvml_gives_memory_versions_and_processes(old_bytes: bool) -> None:
     fake = FakeNVML(old_bytes=old_bytes)
-    report = query_gpus(fake, name_of=lambda pid: f"proc-{pid}")
+    report = query_gpus(fake, name_of=lambda pid: "VLLM::EngineCore" if pid == 101 else "")
     assert report.available and report.reason is None
     assert (report.driver_version, report.cuda_version) == ("550.54.15", "12.4")
     first, second = report.devices
     assert (first.name, first.uuid, first.total_bytes, first.free_bytes) == (
         "NVIDIA H100 80GB HBM3", "GPU-0", 80 * GIB, 8 * GIB)
     by_pid = {p.pid: p for p in first.processes}
-    # pid 101 appears as compute (with memory) and graphics (without): the figure with memory wins.
+    # pid 101 appears as compute (with memory) and graphics (without): the figure with memory wins. Its name
+    # comes from /proc; where /proc does not show a process, NVML's name for it (none for 102).
     assert by_pid[101].used_mib == 70 * 1024 and by_pid[101].name == "VLLM::EngineCore"
-    assert by_pid[102].used_bytes is None and by_pid[102].name == "proc-102"
+    assert by_pid[102].used_bytes is None and by_pid[102].name == ""
     assert second.processes[0].gpu_index == 1
     assert fake.shutdowns == 1
 
@@ -164,6 +165,29 @@ def test_total_memory_is_the_smallest_of_the_gpus_needed() -> None:
     assert GpuReport(available=False, reason="x").total_memory_bytes() is None
 
 
+def test_a_process_proc_does_not_show_is_named_by_nvml() -> None:
+    report = query_gpus(FakeNVML(), name_of=lambda pid: "")
+    assert report.devices[0].processes[0].name == "/usr/bin/python3"
+
+
+@pytest.mark.parametrize(
+    ("comm", "cmdline", "name"),
+    [
+        ("VLLM::EngineCor", "VLLM::EngineCore", "VLLM::EngineCor"),
+        ("python3", "/usr/bin/python3\0-m\0vllm.entrypoints.openai.api_server\0--model\0m",
+         "python3 (/usr/bin/python3 -m vllm.entrypoints.openai.api_server --model m)"),
+        ("python3", "python3\0train.py", "python3"),
+    ],
+)
+def test_a_vllm_started_as_python_is_known_by_its_command_line(
+    tmp_path: Path, comm: str, cmdline: str, name: str
+) -> None:
+    (tmp_path / "7").mkdir()
+    (tmp_path / "7" / "comm").write_text(comm + "\n")
+    (tmp_path / "7" / "cmdline").write_bytes(cmdline.encode() + b"\0")
+    assert proc_name(7, tmp_path) == name
+
+
 def test_process_names_and_parents_come_from_proc(tmp_path: Path) -> None:
     (tmp_path / "42").mkdir()
     (tmp_path / "42" / "comm").write_text("VLLM::Worker\n")
@@ -176,3 +200,27 @@ def test_process_names_and_parents_come_from_proc(tmp_path: Path) -> None:
 def test_pid_alive_tells_live_from_gone() -> None:
     assert pid_alive(os.getpid())
     assert not pid_alive(2**22 + 12345)
+
+
+class FakeNVMLv2(FakeNVML):
+    """A driver with NVML's memory info version 2, which parts its own reserve from what processes use."""
+
+    nvmlMemory_v2 = 0x02000028
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> Any:
+        if version is None:  # version 1 counts the reserve as used
+            return SimpleNamespace(total=150_754_820_096, used=644_939_776, free=150_109_880_320)
+        return SimpleNamespace(total=150_754_820_096, reserved=644_939_776, used=0, free=150_109_880_320)
+
+
+def test_the_drivers_reserve_is_not_memory_a_plan_or_a_process_can_use() -> None:
+    # The figures an H200 gave: CUDA's own total (cudaMemGetInfo) is NVML's total less the reserve.
+    report = query_gpus(FakeNVMLv2(devices=1))
+    device = report.devices[0]
+    assert (device.reserved_bytes, device.used_bytes) == (644_939_776, 0)
+    assert device.usable_bytes == 150_109_880_320 == report.total_memory_bytes()
+
+
+def test_a_driver_without_memory_info_v2_has_no_reserve() -> None:
+    device = query_gpus(FakeNVML(devices=1)).devices[0]
+    assert device.reserved_bytes == 0 and device.usable_bytes == device.total_bytes == 80 * GIB
