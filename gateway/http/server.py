@@ -9,8 +9,10 @@ connection and at no per-request cost beyond a few attribute updates:
   from a request's first byte to the end of its headers (408), bounds on the header bytes and count (431);
 - a ``Content-Length`` above ``--max-body-bytes``, absurd ones included, refused before the app runs (413),
   and a cap on open connections (503 with ``Retry-After``);
-- every refusal in OpenAI's JSON shape with ``connection: close``, then a short lingering close so that a
-  client still sending reads the answer instead of a reset;
+- every refusal in OpenAI's JSON shape with ``connection: close``, then a lingering close so that a client
+  still sending reads the answer instead of a reset (``_linger``);
+- a request answered before its body was whole (401, 404) keeps its connection: the rest of the body is read
+  and discarded under the body's own limits, and the connection idles only from the body's end;
 - a write timeout (``stall``): a client that accepts no byte of its answer for ``--write-timeout`` seconds
   while its send buffer is full is cut.
 
@@ -27,11 +29,10 @@ import logging
 from typing import Any, ClassVar, NoReturn
 
 import httptools
-import orjson
 import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from gateway.config import Settings
@@ -44,18 +45,19 @@ from gateway.errors import (
     TooManyConnections,
 )
 from gateway.http.body import body_too_slow
-from gateway.http.errors import error_body, error_headers, status_and_type
+from gateway.http.errors import status_and_type
 from gateway.http.limits import ConnectionLimits
+from gateway.http.refusals import head_too_large, parse_error, render
 from gateway.http.stall import WriteStall
 
 log = logging.getLogger(__name__)
 
-# Seconds a refused connection keeps reading (and discarding) after its answer, so that a client still
-# sending gets the answer rather than a reset; the client's own close ends it sooner.
+# Seconds of silence after which a connection that ended with an answer (a refusal, an answer with
+# ``connection: close``) stops reading and closes. Until then what the client sends is read and discarded, so
+# that a client still sending reads the answer rather than a reset; its own close ends it sooner. A client still
+# uploading (a 413, or the app's answer while its body arrived) keeps it longer while it sends, within the
+# body's rule counted from the answer: the body timeout in all, the minimum rate after the grace.
 LINGER = 1.0
-
-# Headers every refusal has; an error's own headers (Retry-After) follow them.
-_WRITTEN = frozenset({"content-type", "content-length", "connection"})
 
 # Connection phases: what the one timer means when it fires.
 _IDLE, _HEAD, _BODY, _BUSY, _CLOSING = range(5)
@@ -80,10 +82,7 @@ class _LingeringTransport:
     def close(self) -> None:
         protocol = self._protocol
         if protocol._phase == _BODY and self._transport.can_write_eof() and not self._transport.is_closing():
-            protocol._phase = _CLOSING  # from here on, what the client sends is discarded
-            self._transport.write_eof()
-            protocol.flow.resume_reading()
-            protocol._arm(_CLOSING, protocol.loop.time() + LINGER)
+            protocol._linger(uploading=True)
             return
         self._transport.close()
 
@@ -101,7 +100,7 @@ class GuardProtocol(HttpToolsProtocol):
     # and every attribute access of the protocol, uvicorn's included, got slower (measured: +5 us a request).
     __slots__ = (
         "_begin_read_len", "_body_raw", "_body_start", "_content_length", "_deadline", "_deferred", "_head_raw",
-        "_messages", "_phase", "_read_len", "_refusal", "_stall", "_timer", "_timer_at",
+        "_messages", "_phase", "_read_len", "_refusal", "_stall", "_timer", "_timer_at", "_uploading",
     )
 
     def __init__(
@@ -125,6 +124,7 @@ class GuardProtocol(HttpToolsProtocol):
         self._body_raw = 0  # bytes of reads that ended with the current request's body still incomplete
         self._refusal: GatewayError | None = None
         self._deferred: GatewayError | None = None  # a refusal waiting for the answer before it
+        self._uploading = False  # lingering, the client was sending a body: its bytes extend the linger
         self._stall = WriteStall(self.loop, self.limits.write_timeout)
 
     # -- the one timer ----------------------------------------------------------------------------
@@ -186,6 +186,8 @@ class GuardProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         phase, messages = self._phase, self._messages
         if phase == _CLOSING:
+            if self._uploading:
+                self._lingered(len(data))
             return
         self._read_len = len(data)
         try:
@@ -197,11 +199,13 @@ class GuardProtocol(HttpToolsProtocol):
                 return
         except httptools.HttpParserError as exc:
             refusal, self._refusal = self._refusal, None
-            self._refuse(refusal or _parse_error(exc, self.limits))
+            self._refuse(refusal or parse_error(exc, self.limits))
             return
         if self._phase == _BODY:
             if self.cycle.more_body:
                 self._body_raw += len(data)
+                if self.cycle.response_complete and self._body_raw > self.limits.body.max_bytes:
+                    self._linger(uploading=False)  # answered already; the rest of its body is too large to read
             else:
                 self._phase = _BUSY
                 self._deadline = None
@@ -211,19 +215,23 @@ class GuardProtocol(HttpToolsProtocol):
             self._head_raw += len(data)
             if self._head_raw > self.limits.max_header_bytes:
                 self.headers.clear()  # no app has this request's scope yet
-                self._refuse(_head_too_large(self._head_raw, self.limits))
+                self._refuse(head_too_large(self._head_raw, self.limits))
 
     def _body_late(self) -> None:
-        """The body's deadline passed: refuse it, unless the bytes since have earned a later one."""
+        """The body's deadline passed: refuse it, unless the bytes since have earned a later one. A body whose
+        request was answered already is only being discarded: then the connection closes, the answer sent."""
         body = self.limits.body
         cycle = self.cycle
-        if cycle.response_started:  # answered without the rest of its body: nothing to wait for
+        if cycle.response_started and not cycle.response_complete:  # answering: its end re-arms this
             self._deadline = None
             return
         deadline = self._body_start + body.due(self._body_raw)
         now = self.loop.time()
         if deadline - now > 0.005:
             self._arm(_BODY, deadline)
+            return
+        if cycle.response_complete:
+            self._linger(uploading=False)
             return
         self._refuse(body_too_slow(body, self._body_raw, now - self._body_start))
 
@@ -255,7 +263,7 @@ class GuardProtocol(HttpToolsProtocol):
         if self._head_raw + self._begin_read_len + self._read_len > limits.max_header_bytes:
             size = len(self.url) + sum(len(name) + len(value) for name, value in self.headers)
             if size > limits.max_header_bytes:
-                self._refuse_head(_head_too_large(size, limits))
+                self._refuse_head(head_too_large(size, limits))
         if len(self.headers) > limits.max_headers:
             self._refuse_head(HeadersTooLarge(
                 f"The request has {len(self.headers)} headers; the limit is {limits.max_headers}."
@@ -291,7 +299,17 @@ class GuardProtocol(HttpToolsProtocol):
         elif self._deferred is not None:
             error, self._deferred = self._deferred, None
             self._answer(error)
-        elif self._phase in (_BODY, _BUSY):  # not when the next request's head is already arriving
+        elif self._phase == _BUSY:  # not when the next request's head is already arriving
+            self._arm(_IDLE, self.loop.time() + self.limits.keep_alive_timeout)
+        elif self._phase == _BODY:
+            # Answered before its body was whole (a 401, a 404): the parser discards the rest, which is held to
+            # the body's limits; the connection idles from the body's end (``on_message_complete``). An idle
+            # deadline from here cut a client still sending its body with a reset.
+            self._arm(_BODY, self._body_start + self.limits.body.due(self._body_raw))
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self._phase == _BODY and self.cycle.response_complete:  # the rest of an answered body, discarded
             self._arm(_IDLE, self.loop.time() + self.limits.keep_alive_timeout)
 
     def send_400_response(self, msg: str) -> None:
@@ -321,47 +339,32 @@ class GuardProtocol(HttpToolsProtocol):
         self._answer(error)
 
     def _answer(self, error: GatewayError) -> None:
-        self.transport.write(self._render(error))
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-            self.flow.resume_reading()
-            self._arm(_CLOSING, self.loop.time() + LINGER)
-        else:
-            self.transport.close()
+        self.transport.write(render(error, self.server_state.default_headers))
+        self._linger(uploading=isinstance(error, PayloadTooLarge))
 
-    def _render(self, error: GatewayError) -> bytes:
-        body = orjson.dumps(error_body(error))
-        lines = [STATUS_LINE[status_and_type(error)[0]]]
-        lines.extend(name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers)
-        lines.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body))
-        lines.extend(
-            f"{name}: {value}\r\n".encode("latin-1")
-            for name, value in error_headers(error).items()
-            if name.lower() not in _WRITTEN
-        )
-        lines.append(b"\r\n")
-        lines.append(body)
-        return b"".join(lines)
+    def _linger(self, *, uploading: bool) -> None:
+        """End the connection after its last answer: half-close, then read and discard what the client still
+        sends until it closes or falls silent for ``LINGER`` seconds; ``uploading``: it was sending a body, which
+        may go on as a body may arrive, counted from here (``_lingered``)."""
+        transport = self.transport
+        if not transport.can_write_eof() or transport.is_closing():
+            transport.close()
+            return
+        now = self.loop.time()
+        self._phase = _CLOSING  # from here on, what the client sends is discarded
+        self._uploading = uploading
+        self._body_start, self._body_raw = now, 0  # lingering, they count the bytes discarded
+        transport.write_eof()
+        self.flow.resume_reading()
+        self._arm(_CLOSING, now + LINGER)
 
-
-def _head_too_large(size: int, limits: ConnectionLimits) -> HeadersTooLarge:
-    return HeadersTooLarge(
-        f"The request line and headers are at least {size} bytes; the limit is {limits.max_header_bytes} bytes."
-    )
-
-
-def _parse_error(exc: httptools.HttpParserError, limits: ConnectionLimits) -> GatewayError:
-    reason = str(exc)
-    if reason == "Content-Length overflow":
-        return PayloadTooLarge(
-            f"The request body's Content-Length is beyond any limit; the limit is {limits.body.max_bytes} bytes."
-        )
-    if isinstance(exc, httptools.HttpParserCallbackError) or not reason:
-        # uvicorn's own reading of the head failed (a URL it cannot parse, say): the parser's words for that
-        # ("User callback error") would tell the client nothing.
-        log.debug("request head refused by uvicorn", exc_info=exc.__context__)
-        reason = "the request line or headers cannot be read"
-    return InvalidRequest(f"Malformed HTTP request: {reason}.", code="malformed_request")
+    def _lingered(self, size: int) -> None:
+        """``size`` bytes more of an upload arrived while lingering: ``LINGER`` seconds more, within the body's
+        rule from the answer on (``--body-timeout`` in all, ``--min-body-rate`` after its grace). Only the
+        deadline moves; the timer re-arms itself when it fires."""
+        self._body_raw += size
+        now = self.loop.time()
+        self._deadline = min(now + LINGER, self._body_start + max(LINGER, self.limits.body.due(self._body_raw)))
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardProtocol]:
