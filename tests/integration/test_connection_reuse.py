@@ -1,0 +1,65 @@
+"""One kept-alive connection through refusals: a request the gateway refuses at admission (503 ``deadline``, 429
+``queue_full``) or in validation (400) is answered in OpenAI's shape on the connection it came on, which then
+serves the next request. Admission refuses only after the whole body is read, and without ``connection: close``:
+a client pool may reuse the connection at once (the refusals of an overload are no cause of closed connections)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from tests.integration import test_admission_flood as flood_rig
+from tests.integration.hostile.checks import RawResponse, close_writer, host_port, read_response, request_bytes
+from tests.integration.test_admission_flood import HOLDER, QUEUE_RIG, WAITER, completion, eventually, held_reservation
+from tests.support.harness import GatewayServer
+from tests.support.vllm_sim import SimServer
+
+exits, make_sim, make_gateway = flood_rig.exits, flood_rig.make_sim, flood_rig.make_gateway
+
+
+class Connection:
+    """One client connection, requests sent on it one after another."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    async def post(self, body: dict[str, Any], headers: dict[str, str] | None = None) -> RawResponse:
+        data = json.dumps(body).encode()
+        self.writer.write(request_bytes("POST", "/v1/completions",
+                                        {"content-type": "application/json", **(headers or {})}, data))
+        answer = await asyncio.wait_for(read_response(self.reader), 10)
+        assert answer is not None, "the gateway closed the connection instead of answering"
+        return answer
+
+
+def refused(answer: RawResponse, status: int, code: str) -> None:
+    assert answer.status == status, answer.body[:300]
+    error = json.loads(answer.body)["error"]
+    assert error["code"] == code, error
+    assert answer.headers.get("connection") != "close", answer.headers
+
+
+async def test_refusals_leave_a_kept_alive_connection_usable(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
+) -> None:
+    sim = make_sim(**QUEUE_RIG)
+    gw = make_gateway(sim, admission_policy="strict", kv_target=1.0, max_queue=1, queue_timeout=30.0)
+    conn = Connection(*await asyncio.open_connection(*host_port(gw.url)))
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            async with held_reservation(client, gw, sim, *HOLDER):
+                refused(await conn.post(completion(*WAITER), {"x-guard-deadline-ms": "200"}), 503, "deadline")
+                # Another client's request holds the queue's one place.
+                waiting = asyncio.create_task(client.post(gw.url + "/v1/completions", json=completion(*WAITER)))
+                await eventually(lambda: gw.status()["queued"] == 1, "one request queued")
+                refused(await conn.post(completion(*WAITER)), 429, "queue_full")
+                refused(await conn.post(completion(600, 8)), 400, "context_length_exceeded")
+            assert (await waiting).status_code == 200
+        served = await conn.post(completion(16, 8))
+        assert served.status == 200, served.body[:300]
+    finally:
+        await close_writer(conn.writer)
