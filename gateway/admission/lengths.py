@@ -23,6 +23,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Sequence
 
 WINDOW = 256  # lengths remembered per bucket: the quantiles follow a change of traffic within minutes
 MIN_SAMPLES = 8  # fewer than this in a bucket: the prior
@@ -59,6 +60,10 @@ class Window:
             del self._sorted[bisect.bisect_left(self._sorted, old)]
         self._order.append(tokens)
         bisect.insort(self._sorted, tokens)
+
+    def longer_than(self, tokens: int) -> int:
+        """How many of the lengths exceed ``tokens``."""
+        return len(self._sorted) - bisect.bisect_right(self._sorted, tokens)
 
     def quantile_past(self, q: float, past: int) -> int | None:
         """The ``q`` quantile of the lengths longer than ``past``; None when none is."""
@@ -100,6 +105,25 @@ class OutputLengths:
         if guess is None:  # longer than anything seen: grows with what it generates
             guess = 2 * generated
         return min(max_tokens, max(guess, generated + 1))
+
+    def survival(
+        self, family: str, tenant: str, max_tokens: int, generated: int, offsets: Sequence[int]
+    ) -> list[float]:
+        """For a request still running after ``generated`` tokens per sequence, the chance that it is still
+        running ``s`` tokens later, for each ``s`` in ``offsets``: the share of the lengths past ``generated``
+        that are past ``generated + s``. With no lengths past ``generated`` (or none learned yet) it is taken to
+        end where ``expected`` books it: twice what it generated, or the prior."""
+        window = self._window(family, tenant, max_tokens)
+        alive = 0 if window is None else window.longer_than(generated)
+        if window is None or alive == 0:
+            end = self.expected(family, tenant, max_tokens, generated, 0.5)
+            return [1.0 if generated + s < end else 0.0 for s in offsets]
+        out = []
+        for s in offsets:
+            if generated + s >= max_tokens:
+                break
+            out.append(window.longer_than(generated + s) / alive)
+        return out + [0.0] * (len(offsets) - len(out))
 
     def _window(self, family: str, tenant: str, max_tokens: int) -> Window | None:
         b = bucket(max_tokens)

@@ -2,20 +2,22 @@
 
 ``strict`` admits while the books (``committed + need``) stay within the budget, or, with ``--time-aware on``,
 the peak of the usage as the requests in flight end in turn does (``timeline``). ``adaptive`` admits whenever
-strict would and, while the engine's metrics are fresh, as far as the projection of what the admitted requests
-will still grow by leaves room. Both honour ``--max-concurrency``, and leave the room other active tenants keep
-(``headroom``). One pass over the queue computes the
-projection once and adds each admitted request's growth to it."""
+strict would and, while the engine's metrics are fresh, as far as the projected usage of the admitted requests over
+the tokens to come leaves room (``curve``). Both honour ``--max-concurrency``, and leave the room other active
+tenants keep (``headroom``). One pass over the queue computes the projection once and adds each admitted
+request's curve to it."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
 
 from gateway.admission.books import Books
+from gateway.admission.curve import UsageCurve, request_curve, usage_curve
 from gateway.admission.headroom import Headroom
 from gateway.admission.kv_view import KvView
 from gateway.admission.ledger import Capacity
-from gateway.admission.projection import Projector, growth, project
+from gateway.admission.projection import Projector
 from gateway.admission.reservation import Reservation
 from gateway.admission.timeline import TimeAware
 from gateway.config import Settings
@@ -30,7 +32,7 @@ class Policy:
         self._kv = kv
         self._books = books
         self._projector = projector
-        self._projected: int | None = None  # the projection while a pass over the queue needs it
+        self._projected: UsageCurve | None = None  # the projection while a pass over the queue needs it
         self.time_aware = TimeAware(settings.time_aware == "on")  # the peak as requests end in turn (``timeline``)
 
     def begin_pass(self) -> None:
@@ -53,22 +55,26 @@ class Policy:
         if not self._live():
             return False
         if self._projected is None:
-            self._projected = self.projection(cap, in_flight)
-        grows = growth(r, cap.block_size, self._projector.outlook())
-        return self._projected is not None and self._projected + grows <= budget
+            self._projected = self._curve(cap, in_flight)
+        extra = request_curve(r, cap.block_size, self._projector.outlook())
+        return self._projected is not None and self._projected.peak(extra) <= budget
 
     def admitted(self, r: Reservation, cap: Capacity | None) -> None:
-        """Count ``r``'s growth into the projection of the pass under way."""
+        """Count ``r``'s curve into the projection of the pass under way."""
         self.time_aware.admitted(r)
         if self._projected is not None and cap is not None:
-            self._projected += growth(r, cap.block_size, self._projector.outlook())
+            self._projected.add(request_curve(r, cap.block_size, self._projector.outlook()))
 
     def projection(self, cap: Capacity | None, in_flight: Collection[Reservation]) -> int | None:
-        """The adaptive projection as of now; None where the policy does not use one."""
+        """The peak of the adaptive projection as of now, in blocks; None where the policy does not use one."""
+        curve = self._curve(cap, in_flight)
+        return None if curve is None else math.ceil(curve.peak())
+
+    def _curve(self, cap: Capacity | None, in_flight: Collection[Reservation]) -> UsageCurve | None:
         if cap is None or not self._live():
             return None
         live = self._kv.live_used(cap) or 0
-        return project(live, in_flight, cap.block_size, self._projector.outlook(), self._books.shared_held)
+        return usage_curve(live, in_flight, cap.block_size, self._projector.outlook(), self._books.shared_held)
 
     def admit_limit(self, budget: int | None, projected: int | None) -> int | None:
         """The committed total the policy would accept now: the budget, plus what live usage frees."""
