@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -51,6 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+import psutil  # noqa: E402 - vLLM requires it; the benchmark runs beside vLLM
 
 from bench import plots  # noqa: E402
 from bench.prefix_clients import gateway_refusals  # noqa: E402
@@ -156,6 +159,8 @@ class Bench:
         before = scrape_counter(f"{engine.url}/metrics", PREEMPTIONS)
         base = self.base(target, load.objective_flag)
         refused_before = gateway_refusals(base) if TARGETS[target][1] is not None else {}
+        gateway = self.gateways[(target, load.objective_flag)] if TARGETS[target][1] is not None else None
+        cpu_before = (cpu_seconds(engine), cpu_seconds(gateway))
         if self.client == "vllm":
             outcomes = asyncio.run(run_vllm_bench(base, plans, texts, self.eos_id, load.read_timeout_s,
                                                   str(self.model)))
@@ -163,6 +168,7 @@ class Bench:
             outcomes = asyncio.run(CLIENTS[self.client](base, plans, texts, self.eos_id, load.read_timeout_s))
         wait_idle(engine)
         preempted = scrape_counter(f"{engine.url}/metrics", PREEMPTIONS) - before
+        cpu = (cpu_seconds(engine) - cpu_before[0], cpu_seconds(gateway) - cpu_before[1])
         if TARGETS[target][1] is not None:
             counted = self.reasons.setdefault(f"{target} at {rate * load.rate_factor:g}/s", Counter())
             for reason, value in gateway_refusals(base).items():
@@ -170,7 +176,23 @@ class Bench:
         errors = sorted({o.error for o in outcomes if o.error})
         if errors:
             print(f"realistic: {target}: errors seen: {errors[:3]}", file=sys.stderr)
-        return figures(outcomes, self.objective, preempted), outcomes
+        return figures(outcomes, self.objective, preempted, cpu), outcomes
+
+
+def cpu_seconds(server: ServerProcess | None) -> float:
+    """User and system CPU time of a server and its children (vLLM's engine core is one), so far."""
+    if server is None or server.proc is None:
+        return 0.0
+    try:
+        root = psutil.Process(server.proc.pid)
+        total = 0.0
+        for proc in (root, *root.children(recursive=True)):
+            with contextlib.suppress(psutil.Error):
+                times = proc.cpu_times()
+                total += times.user + times.system
+        return total
+    except psutil.Error:
+        return 0.0
 
 
 def start_servers(args: argparse.Namespace, targets: Sequence[str], loads: Sequence[str], logs: Path) -> Bench:

@@ -104,6 +104,9 @@ class Figures:
     timeouts: int
     failed: int
     preemptions: float = 0.0
+    refusal_p99_ms: float = math.nan  # from sending to the refusal's answer
+    engine_cpu_s: float = 0.0  # CPU time of the engine's processes during the run
+    gateway_cpu_s: float = 0.0  # and of the gateway's (0 for direct targets)
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float:
@@ -113,13 +116,15 @@ def nearest_rank(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
-def figures(outcomes: Sequence[Outcome], objective: float, preemptions: float = 0.0) -> Figures:
+def figures(outcomes: Sequence[Outcome], objective: float, preemptions: float = 0.0,
+            cpu: tuple[float, float] = (0.0, 0.0)) -> Figures:
     """A run's figures; its duration runs from the start to the last answer, refusal or timeout."""
     wall = max((o.end for o in outcomes), default=0.0)
     done = [o for o in outcomes if o.completed]
     ttfts = [o.ttft for o in done if o.ttft is not None]
     within = sum(1 for t in ttfts if t <= objective)
-    refused = sum(1 for o in outcomes if o.status in REFUSED)
+    refusals = [1000 * (o.end - o.at) for o in outcomes if o.status in REFUSED]
+    refused = len(refusals)
     timeouts = sum(1 for o in outcomes if o.timed_out)
     return Figures(
         tokens_per_s=sum(o.tokens for o in done) / wall if wall else 0.0,
@@ -128,6 +133,7 @@ def figures(outcomes: Sequence[Outcome], objective: float, preemptions: float = 
         goodput=within / wall if wall else 0.0,
         completed=len(done), within=within, refused=refused, timeouts=timeouts,
         failed=len(outcomes) - len(done) - refused - timeouts, preemptions=preemptions,
+        refusal_p99_ms=nearest_rank(refusals, 0.99), engine_cpu_s=cpu[0], gateway_cpu_s=cpu[1],
     )
 
 
@@ -167,14 +173,29 @@ def table(load: str, runs: Mapping[str, Sequence[Figures]], targets: Sequence[st
             f"{_cell(med['p99_ttft'], ratio['p99_ttft'], '.2f', base)} | "
             f"{_cell(med['goodput'], ratio['goodput'], '.2f', base)} | "
             f"{100 * within / admitted if admitted else 0:.0f}% | {sum(r.preemptions for r in rows):.0f} | "
-            f"{sum(r.refused for r in rows)} | {sum(r.timeouts for r in rows)} | {sum(r.failed for r in rows)} |"
+            f"{sum(r.refused for r in rows)} | {_ms(rows)} | {sum(r.timeouts for r in rows)} | "
+            f"{sum(r.failed for r in rows)} | {_cpu(rows)} |"
         )
     return "\n".join(lines)
 
 
+def _ms(rows: Sequence[Figures]) -> str:
+    """The slowest run's p99 time to a refusal."""
+    known = [r.refusal_p99_ms for r in rows if not math.isnan(r.refusal_p99_ms)]
+    return f"{max(known):.0f}" if known else "-"
+
+
+def _cpu(rows: Sequence[Figures]) -> str:
+    """Median CPU seconds a run took of the engine and of the gateway (they share the machine's cores)."""
+    engine = statistics.median(r.engine_cpu_s for r in rows)
+    gateway = statistics.median(r.gateway_cpu_s for r in rows)
+    return f"{engine:.0f} / {gateway:.0f}" if gateway else f"{engine:.0f}"
+
+
 TABLE_HEAD = (
     "| load | target | output tok/s (x direct) | mean TTFT s (x) | p99 TTFT s (x) | goodput /s (x) | completed within "
-    "objective | preemptions (all runs) | refused | client timeouts | failed |\n" + "|" + " --- |" * 11
+    "objective | preemptions (all runs) | refused | p99 ms to a refusal | client timeouts | failed | CPU s engine "
+    "/ gateway |\n" + "|" + " --- |" * 14
 )
 
 

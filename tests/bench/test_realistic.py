@@ -84,13 +84,15 @@ def test_figures_count_goodput_refusals_and_timeouts() -> None:
         outcome(5.0, None, 0, None, timed_out=True),
         outcome(6.0, None, 0, 500),
     ]
-    fig = figures(outcomes, objective=5.0, preemptions=3)
+    fig = figures(outcomes, objective=5.0, preemptions=3, cpu=(40.0, 6.0))
     assert fig.tokens_per_s == pytest.approx(300 / 20)
     assert fig.mean_ttft == pytest.approx(11 / 3)
     assert fig.p99_ttft == 7.0
     assert fig.goodput == pytest.approx(2 / 20)
     assert (fig.completed, fig.within, fig.refused, fig.timeouts, fig.failed) == (3, 2, 2, 1, 1)
     assert fig.preemptions == 3
+    assert fig.refusal_p99_ms == pytest.approx(7000)  # the slower refusal answered 7 s after it was sent
+    assert (fig.engine_cpu_s, fig.gateway_cpu_s) == (40.0, 6.0)
 
 
 def run_of(tps: float, ttft: float, goodput: float) -> Figures:
