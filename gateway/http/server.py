@@ -49,6 +49,7 @@ from gateway.http.errors import status_and_type
 from gateway.http.limits import ConnectionLimits
 from gateway.http.refusals import head_too_large, parse_error, render
 from gateway.http.stall import WriteStall
+from gateway.http.transport import LingeringTransport, unread
 
 log = logging.getLogger(__name__)
 
@@ -65,29 +66,6 @@ _IDLE, _HEAD, _BODY, _BUSY, _CLOSING = range(5)
 
 class _Refused(Exception):
     """Raised inside a parser callback to stop parsing; the refusal itself is in ``GuardProtocol._refusal``."""
-
-
-class _LingeringTransport:
-    """The connection's transport as uvicorn sees it. When the app answers a request whose body is still
-    arriving (a 413 or 408 from ``read_body``) and uvicorn closes the connection, closing at once would make the
-    kernel reset it over the unread bytes, and the client would often never read the answer: the close lingers
-    instead, as the protocol's own refusals do."""
-
-    __slots__ = ("_protocol", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, protocol: GuardProtocol) -> None:
-        self._transport = transport
-        self._protocol = protocol
-
-    def close(self) -> None:
-        protocol = self._protocol
-        if protocol._phase == _BODY and self._transport.can_write_eof() and not self._transport.is_closing():
-            protocol._linger(uploading=True)
-            return
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
 
 
 class GuardProtocol(HttpToolsProtocol):
@@ -151,6 +129,10 @@ class GuardProtocol(HttpToolsProtocol):
             self._refuse(RequestTimeout(f"The request line and headers did not arrive within {seconds:g} seconds."))
         elif self._phase == _BODY:
             self._body_late()
+        elif self._phase == _IDLE and unread(self.transport):
+            # The loop ran late, and a request sent within the keep-alive (or the client's close) waits unread:
+            # closing would reset it. Its read moves the phase on.
+            self._arm(_IDLE, self.loop.time() + self.limits.keep_alive_timeout)
         else:  # idle, or done lingering
             self._deadline = None
             self.transport.close()
@@ -166,7 +148,7 @@ class GuardProtocol(HttpToolsProtocol):
 
     # -- connection events ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
+        super().connection_made(LingeringTransport(transport, self._closing))  # type: ignore[arg-type]
         limit = self.limits.max_connections
         if len(self.connections) > limit:
             self._refuse(TooManyConnections(
@@ -341,6 +323,14 @@ class GuardProtocol(HttpToolsProtocol):
     def _answer(self, error: GatewayError) -> None:
         self.transport.write(render(error, self.server_state.default_headers))
         self._linger(uploading=isinstance(error, PayloadTooLarge))
+
+    def _closing(self) -> bool:
+        """uvicorn closes the connection (``LingeringTransport.close``): linger if its body was still arriving."""
+        transport = self.transport
+        if self._phase != _BODY or not transport.can_write_eof() or transport.is_closing():
+            return False
+        self._linger(uploading=True)
+        return True
 
     def _linger(self, *, uploading: bool) -> None:
         """End the connection after its last answer: half-close, then read and discard what the client still

@@ -1,16 +1,26 @@
 """One kept-alive connection through refusals: a request the gateway refuses at admission (503 ``deadline``, 429
 ``queue_full``) or in validation (400) is answered in OpenAI's shape on the connection it came on, which then
 serves the next request. Admission refuses only after the whole body is read, and without ``connection: close``:
-a client pool may reuse the connection at once (the refusals of an overload are no cause of closed connections)."""
+a client pool may reuse the connection at once (the refusals of an overload are no cause of closed connections).
+
+A gateway whose loop runs late (busy, as under an overload) must not close, at its idle deadline, a connection
+on which a request came in time and waits unread: uvloop, which ``vllm-guard serve`` runs on, runs the timers
+already due before it reads, and the client's request met a reset (aiohttp's ``Can not write request body`` or
+``Server disconnected``, the OpenAI SDK's ``APIConnectionError``)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+import socket
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import pytest
+import uvloop
 
 from tests.integration import test_admission_flood as flood_rig
 from tests.integration.hostile.checks import RawResponse, close_writer, host_port, read_response, request_bytes
@@ -61,5 +71,53 @@ async def test_refusals_leave_a_kept_alive_connection_usable(
             assert (await waiting).status_code == 200
         served = await conn.post(completion(16, 8))
         assert served.status == 200, served.body[:300]
+    finally:
+        await close_writer(conn.writer)
+
+
+IDLE = 2.0  # --keep-alive-timeout; the request below is sent 0.8 s before it, while the gateway is held up
+
+
+@contextlib.contextmanager
+def holding(gw: GatewayServer, seconds: float) -> Iterator[Callable[[], None]]:
+    """``hold()`` holds the gateway's loop up for ``seconds`` inside an I/O callback, as a busy gateway's own
+    reads and writes do (the lag is what is simulated: this sleep is the point)."""
+    inside, outside = socket.socketpair()
+    inside.setblocking(False)
+
+    def held() -> None:
+        inside.recv(1)
+        time.sleep(seconds)
+
+    async def watch() -> None:
+        asyncio.get_running_loop().add_reader(inside, held)
+
+    async def unwatch() -> None:
+        asyncio.get_running_loop().remove_reader(inside)
+
+    gw.call(watch)
+    try:
+        yield lambda: outside.send(b"x") and None
+    finally:
+        gw.call(unwatch)
+        inside.close()
+        outside.close()
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+async def test_a_request_sent_within_the_keep_alive_is_answered_when_the_gateway_runs_late(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer],
+    loop_factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    gw = make_gateway(make_sim(), keep_alive_timeout=IDLE, loop_factory=loop_factory)
+    conn = Connection(*await asyncio.open_connection(*host_port(gw.url)))
+    try:
+        with holding(gw, 1.6) as hold:
+            assert (await conn.post(completion(16, 8))).status == 200
+            await asyncio.sleep(IDLE - 1.0)
+            hold()  # the gateway's loop is busy from here until 0.6 s past the idle deadline
+            await asyncio.sleep(0.2)
+            answer = await conn.post(completion(16, 8))  # sent 0.8 s before the idle deadline
+        assert answer.status == 200, answer.body[:300]
     finally:
         await close_writer(conn.writer)

@@ -6,7 +6,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +59,11 @@ class GatewayServer:
 
 
 @contextmanager
-def run_gateway(settings: Settings, **overrides: Any) -> Iterator[GatewayServer]:
+def run_gateway(
+    settings: Settings, *, loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop,
+    **overrides: Any,
+) -> Iterator[GatewayServer]:
+    """``loop_factory``: the gateway's event loop (``uvloop.new_event_loop``: the loop ``vllm-guard serve`` runs on)."""
     port = free_port()
     settings = settings.model_copy(update={"host": "127.0.0.1", "port": port, **overrides})
     if isinstance(settings.upstream, str):  # a copy is not validated: one URL given as the flag's value is
@@ -70,7 +74,7 @@ def run_gateway(settings: Settings, **overrides: Any) -> Iterator[GatewayServer]
     loop_box: list[asyncio.AbstractEventLoop] = []
 
     def run() -> None:
-        loop = asyncio.new_event_loop()
+        loop = loop_factory()
         loop_box.append(loop)
         asyncio.set_event_loop(loop)
         loop.run_until_complete(server.serve())
