@@ -119,34 +119,69 @@ class UsageCurve:
 
 
 def usage_curve(
-    live_used: int, in_flight: Iterable[Booked], block_size: int, outlook: Outlook, shared_held: int = 0
+    live_used: int, in_flight: Iterable[Booked], block_size: int, outlook: Outlook, shared_held: int = 0,
+    *, engine: tuple[int, float] | None = None, transit: float = 1.0,
 ) -> UsageCurve:
     """Where the requests in flight take the engine's usage over the tokens to come. ``shared_held``: the shared
-    prompt blocks the in-flight requests hold together, each once."""
+    prompt blocks the in-flight requests hold together, each once. ``engine``: the sequences the engine held
+    (running and waiting) and when that was read; ``transit``: how long a request admitted before that may still
+    have been on its way to the engine."""
+    in_flight = list(in_flight)
+    gone = _left_the_engine(in_flight, engine, transit)
     # The two bounds differ only in what they subtract: one sum of the curves serves both.
     means = [0.0] * len(OFFSETS)
+    together_only = [0.0] * len(OFFSETS)  # the requests that left the engine, in the second bound alone
     var = [0.0] * len(OFFSETS)
     credited_total = prefix_total = full_credited = full_total = 0
     seen_keys: set[Hashable] = set()
     added_unseen = 0  # shared blocks added by requests not seen running: in their own curves
     for r in in_flight:
         curve = request_curve(r, block_size, outlook)
-        credited = credited_blocks(r, block_size)
-        means = list(map(operator.add, means, curve.mean))
-        var = list(map(operator.add, var, curve.var))
-        credited_total += credited
         prefix_total += r.prefix_blocks
-        full_credited += max(0, curve.full - credited)
         full_total += curve.full
+        if id(r) in gone:
+            # On top of the live usage it adds nothing more; its size still counts among all the sizes together.
+            together_only = list(map(operator.add, together_only, curve.mean))
+        else:
+            credited = credited_blocks(r, block_size)
+            means = list(map(operator.add, means, curve.mean))
+            credited_total += credited
+            full_credited += max(0, curve.full - credited)
+            var = list(map(operator.add, var, curve.var))
         if r.credited is not None:
             seen_keys.update(r.keys)
-        else:
+        elif id(r) not in gone:
             added_unseen += r.prefix_blocks
     # Shared blocks whose request that added them has ended, held now only by requests not seen running, are in
     # neither: the usage may predate them, and the engine will hold them again.
     unseen = max(0, shared_held - len(seen_keys) - added_unseen)
     on_top = live_used - credited_total + unseen
     together = shared_held - prefix_total
-    level = [min(on_top + m, max(float(live_used), together + m)) for m in means]
+    level = [
+        min(on_top + m, max(float(live_used), together + m + g)) for m, g in zip(means, together_only, strict=True)
+    ]
     worst = min(live_used + full_credited + unseen, max(live_used, shared_held + full_total - prefix_total))
     return UsageCurve(level, var, worst, outlook.z)
+
+
+def _left_the_engine(in_flight: list[Booked], engine: tuple[int, float] | None, transit: float) -> set[int]:
+    """Requests surely no longer in the engine: the gateway still relays their streams (a client, or the gateway's
+    own loop, running behind) while the engine has ended them. Of the requests neither seen running nor admitted
+    within ``transit`` of the engine's count, the engine can hold no more sequences than it reports: the largest
+    of them are kept up to that count (the engine's queue holds requests not yet running), the others left."""
+    if engine is None:
+        return set()
+    sequences, taken_at = engine
+    since = taken_at - transit
+    old = [r for r in in_flight if r.credited is None and r.admitted_at is not None and r.admitted_at < since]
+    if sum(r.n for r in old) <= sequences:
+        return set()
+    old.sort(key=lambda r: r.blocks, reverse=True)
+    kept = 0
+    gone: set[int] = set()  # ids: the requests need not be hashable
+    for r in old:
+        if kept + r.n <= sequences:
+            kept += r.n
+        else:
+            gone.add(id(r))
+    return gone

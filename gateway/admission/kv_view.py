@@ -75,6 +75,16 @@ class KvView:
         usage = self._engine.snapshot.kv_usage
         return None if usage is None else math.ceil(usage * cap.blocks - 1e-9)
 
+    def engine_sequences(self) -> tuple[int, float] | None:
+        """The sequences the engine runs or queues (``vllm:num_requests_running`` and ``_waiting``) and when that
+        was read; None when unknown."""
+        if self._engine is None:
+            return None
+        snap = self._engine.snapshot
+        if not (snap.ok and snap.has_metrics) or snap.running is None:
+            return None
+        return snap.running + (snap.waiting or 0), snap.taken_at
+
     def prefix_sharing(self) -> bool:
         """Whether to book shared prompt blocks once: ``--prefix-sharing on|off``, or with ``auto`` whether the
         engine says prefix caching is on (``enable_prefix_caching`` of ``vllm:cache_config_info``)."""

@@ -74,7 +74,10 @@ class Policy:
         if cap is None or not self._live():
             return None
         live = self._kv.live_used(cap) or 0
-        return usage_curve(live, in_flight, cap.block_size, self._projector.outlook(), self._books.shared_held)
+        return usage_curve(
+            live, in_flight, cap.block_size, self._projector.outlook(), self._books.shared_held,
+            engine=self._kv.engine_sequences(), transit=self._settings.scrape_interval,
+        )
 
     def admit_limit(self, budget: int | None, projected: int | None) -> int | None:
         """The committed total the policy would accept now: the budget, plus what live usage frees."""

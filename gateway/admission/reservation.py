@@ -155,6 +155,11 @@ class Reservation:
         return self._generated
 
     @property
+    def admitted_at(self) -> float | None:
+        """When admission let it go to the engine (the admission clock); None while it was not."""
+        return self._admitted_at
+
+    @property
     def credited(self) -> int | None:
         return self._credited
 

@@ -17,6 +17,7 @@ class Booked:
     blocks: int = 20
     generated: int = 0
     credited: int | None = None
+    admitted_at: float | None = None
     credits: int = 0
     prefix_blocks: int = 0  # no prefix sharing: the projection as it was before sharing
     shared_blocks: int = 0

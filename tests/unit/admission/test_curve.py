@@ -155,3 +155,30 @@ def test_lengths_learned_for_another_max_tokens_do_not_count() -> None:
     assert request_curve(other, 16, Outlook(0.7, seen)).mean[:3] == request_curve(
         other, 16, Outlook(0.7, OutputLengths())
     ).mean[:3]
+
+
+# -- requests the engine has ended while the gateway still relays them --------------------------------------
+@pytest.mark.parametrize(
+    ("engine", "peak"),
+    [
+        (None, 5 * 20),  # no count from the engine: every request not seen running is counted whole
+        ((5, 10.0), 5 * 20),  # the engine holds all five (queued, not yet running)
+        ((2, 10.0), 2 * 20),  # it holds two: the other three ended there, whatever the gateway still relays
+        ((0, 10.0), 0),
+        ((0, 2.0), 5 * 20),  # counted before they were admitted: they may still be on their way
+    ],
+)
+def test_requests_the_engine_no_longer_holds_add_nothing_to_its_usage(
+    engine: tuple[int, float] | None, peak: int
+) -> None:
+    # Five requests admitted at 5 s, never seen running; the engine's count was read at ``engine[1]``.
+    unseen = [Booked(admitted_at=5.0) for _ in range(5)]
+    assert usage_curve(0, unseen, 16, Outlook(1.0, None), engine=engine, transit=1.0).peak() == peak
+
+
+def test_the_largest_requests_not_seen_running_are_the_ones_kept_in_the_engine() -> None:
+    small, large = Booked(admitted_at=5.0, max_tokens=8, blocks=10), Booked(admitted_at=5.0)
+    assert usage_curve(0, [small, large], 16, Outlook(1.0, None), engine=(1, 10.0)).peak() == 20
+    # A request seen running is the engine's whatever the count says.
+    running = Booked(admitted_at=5.0, generated=8, credited=8)
+    assert usage_curve(10, [running, large], 16, Outlook(1.0, None), engine=(0, 10.0)).peak() == 10 + 10
