@@ -148,9 +148,11 @@ def usage_curve(
             credited_total += credited
             full_credited += max(0, curve.full - credited)
             var = list(map(operator.add, var, curve.var))
+        if id(r) in gone:
+            continue
         if r.credited is not None:
             seen_keys.update(r.keys)
-        elif id(r) not in gone:
+        else:
             added_unseen += r.prefix_blocks
     # Shared blocks whose request that added them has ended, held now only by requests not seen running, are in
     # neither: the usage may predate them, and the engine will hold them again.
@@ -165,15 +167,16 @@ def usage_curve(
 
 
 def _left_the_engine(in_flight: list[Booked], engine: tuple[int, float] | None, transit: float) -> set[int]:
-    """Requests surely no longer in the engine: the gateway still relays their streams (a client, or the gateway's
-    own loop, running behind) while the engine has ended them. Of the requests neither seen running nor admitted
-    within ``transit`` of the engine's count, the engine can hold no more sequences than it reports: the largest
-    of them are kept up to that count (the engine's queue holds requests not yet running), the others left."""
+    """Requests surely no longer in the engine: the gateway still relays their streams (vLLM's API server, a
+    client or the gateway's own loop running behind) while the engine has ended them. Of the requests admitted
+    more than ``transit`` before the engine's count, the engine can hold no more sequences than it reports, seen
+    running or not (what the stream shows lags what the engine does): the largest of them are kept up to that
+    count, the others have left."""
     if engine is None:
         return set()
     sequences, taken_at = engine
     since = taken_at - transit
-    old = [r for r in in_flight if r.credited is None and r.admitted_at is not None and r.admitted_at < since]
+    old = [r for r in in_flight if r.admitted_at is not None and r.admitted_at < since]
     if sum(r.n for r in old) <= sequences:
         return set()
     old.sort(key=lambda r: r.blocks, reverse=True)
