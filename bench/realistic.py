@@ -40,6 +40,8 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -147,6 +149,14 @@ class Bench:
     # Refusals the gateways counted (vllm_guard_rejections_total), by (target, load rate) then reason.
     reasons: dict[str, Counter[str]] = field(default_factory=dict)
 
+    def only(self, engine: ServerProcess) -> None:
+        """Stop the engines a run does not use (SIGSTOP to each server's process group), resume the one it does:
+        an idle vLLM's CPU build still polls, and on two cores its processes took the CPU from the gateway in
+        the runs that went through one (the gateway's loop answered /guard/status seconds late)."""
+        for other in self.engines.values():
+            if other.proc is not None and other.proc.poll() is None:
+                os.killpg(other.proc.pid, signal.SIGCONT if other is engine else signal.SIGSTOP)
+
     def base(self, target: str, objective_flag: bool) -> str:
         engine, flags = TARGETS[target]
         return self.engines[engine].url if flags is None else self.gateways[(target, objective_flag)].url
@@ -155,6 +165,7 @@ class Bench:
         plans = plan(rate * load.rate_factor, load.duration_s, seed)
         texts = [prompt(p, i, seed, target_index) for i, p in enumerate(plans)]
         engine = self.engines[TARGETS[target][0]]
+        self.only(engine)
         wait_idle(engine)
         before = scrape_counter(f"{engine.url}/metrics", PREEMPTIONS)
         base = self.base(target, load.objective_flag)
@@ -321,6 +332,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              for key, c in bench.reasons.items() if sum(c.values()))
             body += f"\n\nThe gateways' refusals by reason (all runs): {said or 'none'}"
     finally:
+        for engine in bench.engines.values():
+            if engine.proc is not None and engine.proc.poll() is None:
+                os.killpg(engine.proc.pid, signal.SIGCONT)  # a stopped server cannot take its SIGTERM
         for server in [*{id(g): g for g in bench.gateways.values()}.values(), *bench.engines.values()]:
             server.stop()
     runs = ("direct alone at each rate" if args.find_capacity is not None else

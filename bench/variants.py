@@ -1,0 +1,103 @@
+"""Gateway builds side by side on one vLLM: which change made a difference, in paired runs.
+
+Starts one vLLM (the CPU build, the realistic benchmark's tiny model and 64 MiB cache) and one gateway per
+checkout given (``git worktree add --detach /tmp/gw-X <commit>``), then sends ``bench/realistic.py``'s chat
+traffic (Poisson arrivals, prompts of 150-400 words, ``max_tokens`` 1024, answers really ending at a lognormal
+length around 200) at ``--rate`` for ``--duration`` seconds to vLLM alone and to each gateway in turns, the order
+rotating each round; every target of a round gets the same arrivals and lengths with words of its own. Prints one
+line per run: output tokens/s, mean and p99 TTFT, and the CPU seconds the engine's processes took.
+
+    .venv/bin/python bench/variants.py --rate 24 --repeat 3 /tmp/gw-a /tmp/gw-b
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.realistic import KV_CACHE_BYTES, gateway_command  # noqa: E402
+from bench.realistic_clients import run_aiohttp  # noqa: E402
+from bench.realistic_load import figures, plan, prompt  # noqa: E402
+from tests.e2e.servers import (  # noqa: E402
+    DEFAULT_MAX_MODEL_LEN,
+    GATEWAY_READY_PATHS,
+    VLLM_READY_PATHS,
+    ServerProcess,
+    ensure_tiny_model,
+    free_port,
+    vllm_server,
+)
+
+
+def cpu_seconds(pid: int) -> float:
+    root = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in (root, *root.children(recursive=True)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkouts", nargs="+", type=Path, help="gateway checkouts (git worktrees)")
+    parser.add_argument("--rate", type=float, default=24.0)
+    parser.add_argument("--duration", type=float, default=15.0)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--logs", type=Path, default=Path("/tmp/bench-variants"))
+    parser.add_argument("--renice", type=int, help="also run each gateway at this niceness (as a second target)")
+    args = parser.parse_args()
+    args.logs.mkdir(parents=True, exist_ok=True)
+    model = ensure_tiny_model(DEFAULT_MAX_MODEL_LEN)
+    eos = json.loads((model / "config.json").read_text())["eos_token_id"]
+    eos_id = int(eos[0] if isinstance(eos, list) else eos)
+    engine = vllm_server(model, args.logs / "vllm.log", kv_cache_memory_bytes=KV_CACHE_BYTES).start()
+    gateways: dict[str, ServerProcess] = {}
+    try:
+        engine.wait_ready(VLLM_READY_PATHS, 900)
+        niceness: dict[str, int] = {}
+        for src in args.checkouts:
+            for nice in (None,) if args.renice is None else (None, args.renice):
+                name = src.name if nice is None else f"{src.name}@nice{nice}"
+                port = free_port()
+                argv = [*gateway_command(src), "serve", "--upstream", engine.url, "--host", "127.0.0.1",
+                        "--port", str(port)]
+                gateways[name] = ServerProcess(name, argv, port, args.logs / f"gateway-{name}.log").start()
+                if nice is not None:
+                    niceness[name] = nice
+        for name, gateway in gateways.items():
+            gateway.wait_ready(GATEWAY_READY_PATHS, 180)
+            if name in niceness and gateway.proc is not None:
+                os.setpriority(os.PRIO_PROCESS, gateway.proc.pid, niceness[name])
+        assert engine.proc is not None
+        targets = [("direct", engine.url), *((name, g.url) for name, g in gateways.items())]
+        for rep in range(args.repeat):
+            shift = rep % len(targets)
+            for name, url in targets[shift:] + targets[:shift]:
+                seed = 200 + rep
+                plans = plan(args.rate, args.duration, seed)
+                words = [n for n, _ in targets].index(name)
+                texts = [prompt(p, i, seed, words) for i, p in enumerate(plans)]
+                before = cpu_seconds(engine.proc.pid)
+                outcomes = asyncio.run(run_aiohttp(url, plans, texts, eos_id, 30.0))
+                fig = figures(outcomes, 5.0)
+                print(f"round {rep + 1} {name}: {fig.tokens_per_s:.0f} tokens/s, mean TTFT {fig.mean_ttft:.2f} s, "
+                      f"p99 {fig.p99_ttft:.2f} s, {fig.completed} completed, engine CPU "
+                      f"{cpu_seconds(engine.proc.pid) - before:.1f} s", flush=True)
+                time.sleep(3)
+    finally:
+        for gateway in gateways.values():
+            gateway.stop()
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
