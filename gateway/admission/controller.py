@@ -237,7 +237,7 @@ class Admission:
             raise
 
     def first_token(self, r: Reservation, seconds: float) -> None:
-        self._deadlines.first_token(seconds, len(self._in_flight))
+        self._deadlines.first_tokens.add(seconds)
 
     def leave(self, r: Reservation) -> None:
         """Give back ``r``'s blocks, or withdraw it from the queue (``Reservation.release``; idempotent)."""
@@ -298,8 +298,6 @@ class Admission:
         """Whether ``r`` fits on an engine now; the engine it fits on first is noted in ``placed``."""
         limit = self._settings.max_concurrency
         if limit is not None and len(self._in_flight) >= limit:
-            return False
-        if not self._deadlines.governor.allows(len(self._in_flight)):
             return False
         for site in self._sites.candidates(r, self._block_size, self._sharing):
             if site.fits(r):

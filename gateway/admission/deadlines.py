@@ -12,9 +12,6 @@ sample), over the last ``WINDOW_SECONDS``, at its ``QUANTILE`` (most admitted re
 not the average one). It is used only while requests are in flight: an idle engine's figure is its prefill alone,
 and a figure learned under a load that has gone would otherwise refuse requests it can serve.
 
-With an objective, the requests in flight are also capped so that the engine's own time to a first token stays
-within part of it (``governor``).
-
 A request whose deadline leaves it no time to wait is refused as it arrives (503 ``deadline``), and one forecast
 to wait past it is refused at once by the forecast (``forecast``), with a computed ``Retry-After``; one that
 reaches its deadline in the queue all the same gets the same 503.
@@ -27,8 +24,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
-
-from gateway.admission.governor import Governor
 
 WINDOW_SECONDS = 10.0
 MIN_SAMPLES = 4
@@ -81,12 +76,6 @@ class Deadlines:
         self.queue_timeout = queue_timeout
         self.objective = objective
         self.first_tokens = FirstTokens(clock)
-        self.governor = Governor(objective, clock)
-
-    def first_token(self, seconds: float, in_flight: int) -> None:
-        """A request admitted ``seconds`` ago got its first token, ``in_flight`` requests running."""
-        self.first_tokens.add(seconds)
-        self.governor.sample(seconds, in_flight)
 
     def limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
         own = [d for d in (r.deadline, self.objective) if d is not None]
@@ -103,5 +92,4 @@ class Deadlines:
         return {
             "ttft_objective_s": self.objective,
             "engine_first_token_s": None if estimate is None else round(estimate, 3),
-            "objective_concurrency_cap": self.governor.status(),
         }
