@@ -20,13 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.realistic import KV_CACHE_BYTES, gateway_command  # noqa: E402
+from bench.realistic import KV_CACHE_BYTES, cpu_seconds, gateway_command  # noqa: E402
 from bench.realistic_clients import run_aiohttp  # noqa: E402
 from bench.realistic_load import figures, plan, prompt  # noqa: E402
 from tests.e2e.servers import (  # noqa: E402
@@ -38,11 +36,6 @@ from tests.e2e.servers import (  # noqa: E402
     free_port,
     vllm_server,
 )
-
-
-def cpu_seconds(pid: int) -> float:
-    root = psutil.Process(pid)
-    return sum(sum(p.cpu_times()[:2]) for p in (root, *root.children(recursive=True)))
 
 
 def main() -> int:
@@ -76,7 +69,6 @@ def main() -> int:
             gateway.wait_ready(GATEWAY_READY_PATHS, 180)
             if name in niceness and gateway.proc is not None:
                 os.setpriority(os.PRIO_PROCESS, gateway.proc.pid, niceness[name])
-        assert engine.proc is not None
         targets = [("direct", engine.url), *((name, g.url) for name, g in gateways.items())]
         for rep in range(args.repeat):
             shift = rep % len(targets)
@@ -85,12 +77,12 @@ def main() -> int:
                 plans = plan(args.rate, args.duration, seed)
                 words = [n for n, _ in targets].index(name)
                 texts = [prompt(p, i, seed, words) for i, p in enumerate(plans)]
-                before = cpu_seconds(engine.proc.pid)
+                before = cpu_seconds(engine)
                 outcomes = asyncio.run(run_aiohttp(url, plans, texts, eos_id, 30.0))
                 fig = figures(outcomes, 5.0)
                 print(f"round {rep + 1} {name}: {fig.tokens_per_s:.0f} tokens/s, mean TTFT {fig.mean_ttft:.2f} s, "
                       f"p99 {fig.p99_ttft:.2f} s, {fig.completed} completed, engine CPU "
-                      f"{cpu_seconds(engine.proc.pid) - before:.1f} s", flush=True)
+                      f"{cpu_seconds(engine) - before:.1f} s", flush=True)
                 time.sleep(3)
     finally:
         for gateway in gateways.values():
