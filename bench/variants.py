@@ -5,9 +5,14 @@ checkout given (``git worktree add --detach /tmp/gw-X <commit>``), then sends ``
 traffic (Poisson arrivals, prompts of 150-400 words, ``max_tokens`` 1024, answers really ending at a lognormal
 length around 200) at ``--rate`` for ``--duration`` seconds to vLLM alone and to each gateway in turns, the order
 rotating each round; every target of a round gets the same arrivals and lengths with words of its own. Prints one
-line per run: output tokens/s, mean and p99 TTFT, and the CPU seconds the engine's processes took.
+line per run (output tokens/s, mean and p99 TTFT, goodput, preemptions, refusals, and the CPU seconds the engine's
+processes took), then each target's medians of its per-round ratios to vLLM alone.
+
+A checkout may carry gateway flags after ``::`` (``/tmp/gw-a::--preemption-budget=4``, several joined by ``,``):
+the same code under another setting is then a target of its own.
 
     .venv/bin/python bench/variants.py --rate 24 --repeat 3 /tmp/gw-a /tmp/gw-b
+    .venv/bin/python bench/variants.py --rate 48 /tmp/gw-a /tmp/gw-a::--preemption-budget=4
 """
 
 from __future__ import annotations
@@ -18,15 +23,16 @@ import json
 import os
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.realistic import KV_CACHE_BYTES, cpu_seconds, gateway_command  # noqa: E402
+from bench.realistic import KV_CACHE_BYTES, PREEMPTIONS, cpu_seconds, gateway_command  # noqa: E402
 from bench.realistic_clients import run_aiohttp  # noqa: E402
-from bench.realistic_load import figures, plan, prompt  # noqa: E402
+from bench.realistic_load import Figures, figures, median_ratios, plan, prompt  # noqa: E402
 from tests.e2e.servers import (  # noqa: E402
     DEFAULT_MAX_MODEL_LEN,
     GATEWAY_READY_PATHS,
@@ -34,13 +40,25 @@ from tests.e2e.servers import (  # noqa: E402
     ServerProcess,
     ensure_tiny_model,
     free_port,
+    metric_sum,
     vllm_server,
 )
 
 
+def split_target(spec: str) -> tuple[Path, list[str]]:
+    """``PATH[::FLAG,FLAG...]``: a checkout and the gateway flags it runs with."""
+    path, _, flags = spec.partition("::")
+    return Path(path), [f for f in flags.split(",") if f]
+
+
+def preemptions(url: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return metric_sum(r.read().decode(), PREEMPTIONS)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkouts", nargs="+", type=Path, help="gateway checkouts (git worktrees)")
+    parser.add_argument("checkouts", nargs="+", help="gateway checkouts (git worktrees), each PATH[::FLAG,...]")
     parser.add_argument("--rate", type=float, default=24.0)
     parser.add_argument("--duration", type=float, default=15.0)
     parser.add_argument("--repeat", type=int, default=3)
@@ -56,12 +74,13 @@ def main() -> int:
     try:
         engine.wait_ready(VLLM_READY_PATHS, 900)
         niceness: dict[str, int] = {}
-        for src in args.checkouts:
+        for spec in args.checkouts:
+            src, flags = split_target(spec)
             for nice in (None,) if args.renice is None else (None, args.renice):
-                name = src.name if nice is None else f"{src.name}@nice{nice}"
+                name = src.name + "".join(f" {f}" for f in flags) + ("" if nice is None else f" @nice{nice}")
                 port = free_port()
                 argv = [*gateway_command(src), "serve", "--upstream", engine.url, "--host", "127.0.0.1",
-                        "--port", str(port)]
+                        "--port", str(port), *flags]
                 gateways[name] = ServerProcess(name, argv, port, args.logs / f"gateway-{name}.log").start()
                 if nice is not None:
                     niceness[name] = nice
@@ -70,6 +89,7 @@ def main() -> int:
             if name in niceness and gateway.proc is not None:
                 os.setpriority(os.PRIO_PROCESS, gateway.proc.pid, niceness[name])
         targets = [("direct", engine.url), *((name, g.url) for name, g in gateways.items())]
+        runs: dict[str, list[Figures]] = {name: [] for name, _ in targets}  # paired by round
         for rep in range(args.repeat):
             shift = rep % len(targets)
             for name, url in targets[shift:] + targets[:shift]:
@@ -77,13 +97,21 @@ def main() -> int:
                 plans = plan(args.rate, args.duration, seed)
                 words = [n for n, _ in targets].index(name)
                 texts = [prompt(p, i, seed, words) for i, p in enumerate(plans)]
-                before = cpu_seconds(engine)
+                before, preempted = cpu_seconds(engine), preemptions(engine.url)
                 outcomes = asyncio.run(run_aiohttp(url, plans, texts, eos_id, 30.0))
-                fig = figures(outcomes, 5.0)
+                fig = figures(outcomes, 5.0, preemptions(engine.url) - preempted)
+                runs[name].append(fig)
                 print(f"round {rep + 1} {name}: {fig.tokens_per_s:.0f} tokens/s, mean TTFT {fig.mean_ttft:.2f} s, "
-                      f"p99 {fig.p99_ttft:.2f} s, {fig.completed} completed, engine CPU "
-                      f"{cpu_seconds(engine) - before:.1f} s", flush=True)
+                      f"p99 {fig.p99_ttft:.2f} s, goodput {fig.goodput:.2f}/s, {fig.completed} completed, "
+                      f"{fig.preemptions:.0f} preemptions, {fig.refused} refused, {fig.timeouts} timeouts, "
+                      f"engine CPU {cpu_seconds(engine) - before:.1f} s", flush=True)
                 time.sleep(3)
+        for name, _ in targets[1:]:
+            ratios = median_ratios(runs, name)
+            print(f"{name}: medians of the ratios to vLLM alone: "
+                  + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items())
+                  + f"; preemptions {sum(f.preemptions for f in runs[name]):.0f} "
+                  f"(vLLM alone {sum(f.preemptions for f in runs['direct']):.0f})", flush=True)
     finally:
         for gateway in gateways.values():
             gateway.stop()

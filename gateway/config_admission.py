@@ -47,7 +47,7 @@ class AdmissionFields(BaseModel):
         "Retry-After; off: it waits until the timeout."
     )
     preemption_budget: float = Field(
-        1.0, ge=0.0, description="Engine preemptions the adaptive policy allows per 100 completed requests: it books "
+        3.0, ge=0.0, description="Engine preemptions the adaptive policy allows per 100 completed requests: it books "
         "requests at a quantile of the answers' real lengths and backs off towards the worst case while the engine "
         "preempts past this (0: back off on any preemption)."
     )

@@ -215,6 +215,10 @@ class Metrics(TenantMetrics):
             "vllm_guard_admission_booking_quantile", "Quantile of the answers' real lengths the adaptive policy "
             "books requests at (1: the worst case, max_tokens), set by the preemption budget.", registry=r,
         )
+        self.admission_reach = Gauge(
+            "vllm_guard_admission_reach", "How far past the KV budget the adaptive policy lets its projected peak "
+            "go, as a share of the budget, while the engine has room the projection does not see.", registry=r,
+        )
         self.preemption_rate = Gauge(
             "vllm_guard_engine_preemptions_per_100_requests", "Engine preemptions per 100 requests completed "
             "over the last 30 s, as held against --preemption-budget.", registry=r,
@@ -300,8 +304,9 @@ class Metrics(TenantMetrics):
         if preemptions > 0:
             self.foreign_preemptions.inc(preemptions)
 
-    def record_preemption_control(self, quantile: float, preemptions_per_100: float) -> None:
+    def record_preemption_control(self, quantile: float, preemptions_per_100: float, reach: float = 0.0) -> None:
         self.booking_quantile.set(quantile)
+        self.admission_reach.set(reach)
         self.preemption_rate.set(preemptions_per_100)
 
     def record_queue_depth(self, depth_by_priority: dict[int, int]) -> None:

@@ -222,7 +222,7 @@ class Admission:
         adaptive = self._settings.admission_policy == "adaptive"  # strict keeps arrival order
         shift = order.queue_shift(r, self._sites, self._block_size, limit.seconds) if adaptive else 0.0
         self._queue.push(r, now, now + limit.seconds, shift)
-        self._pump()
+        self._pump(arriving=r)
         if r.admitted:
             return
         if len(self._queue) > self._settings.max_queue:
@@ -265,8 +265,9 @@ class Admission:
             r.withdraw()
 
     # -- the queue --------------------------------------------------------------------------------
-    def _pump(self) -> None:
-        """Expire, then admit from the queue as far as the policy allows."""
+    def _pump(self, arriving: Reservation | None = None) -> None:
+        """Expire, then admit from the queue as far as the policy allows; refuse what is forecast to miss its
+        deadline (``arriving``, the request just queued, at the rate seen: ``forecast``)."""
         self._expire()
         for site in self._sites:
             site.policy.begin_pass()
@@ -289,7 +290,7 @@ class Admission:
             if largest is not None and self._queue:  # refused now rather than at the deadline: forecast to wait
                 free = self._sites.budget_total() - self.committed
                 backlog, span = self._queue.backlog(), refusals.span_of(self._settings.queue_timeout)
-                for late in self._forecast.late(backlog, free, len(self._in_flight), span):
+                for late in self._forecast.late(backlog, free, len(self._in_flight), span, arriving):
                     self._fail(late.item, refusals.expected_late(late, self._settings.queue_timeout))
         self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)
         self._gauges.publish_load(self._sites, self._queue.depth)
@@ -369,10 +370,11 @@ class Admission:
 
     def _on_snapshot(self, engine: int, old: EngineSnapshot, new: EngineSnapshot) -> None:
         self._sites.follow_ranks(engine, new)
-        blamed = sum(site.learn(old, new) for site in self._sites.of_engine(engine))
+        held_back = bool(self._queue) and not self._paused
+        blamed = sum(site.learn(old, new, held_back) for site in self._sites.of_engine(engine))
         self._metrics.record_foreign(sum(s.foreign for s in self._sites), blamed)
         control = self._sites.primary.projector.optimism
-        self._metrics.record_preemption_control(control.quantile, control.rate(new.taken_at))
+        self._metrics.record_preemption_control(control.quantile, control.rate(new.taken_at), control.reach)
         self._pump()
         self.publish()
 

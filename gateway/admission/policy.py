@@ -56,8 +56,9 @@ class Policy:
             return False
         if self._projected is None:
             self._projected = self._curve(cap, in_flight)
-        extra = request_curve(r, cap.block_size, self._projector.outlook())
-        return self._projected is not None and self._projected.peak(extra) <= budget
+        outlook = self._projector.outlook()
+        extra = request_curve(r, cap.block_size, outlook)
+        return self._projected is not None and self._projected.peak(extra) <= budget * (1.0 + outlook.reach)
 
     def admitted(self, r: Reservation, cap: Capacity | None) -> None:
         """Count ``r``'s curve into the projection of the pass under way."""
@@ -80,11 +81,13 @@ class Policy:
         )
 
     def admit_limit(self, budget: int | None, projected: int | None) -> int | None:
-        """The committed total the policy would accept now: the budget, plus what live usage frees."""
+        """The committed total the policy would accept now: the budget (and the reach past it), plus what live
+        usage frees."""
         if budget is None:
             return None
         if projected is not None:
-            return budget + max(0, self._books.committed - projected)
+            reach = math.floor(budget * self._projector.optimism.reach)
+            return budget + reach + max(0, self._books.committed - projected)
         return budget
 
     def _live(self) -> bool:

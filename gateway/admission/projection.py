@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from statistics import NormalDist
 from typing import Protocol
 
-from gateway.admission.budget import PreemptionBudget
+from gateway.admission.budget import ROOM_BELOW, PreemptionBudget
 from gateway.admission.lengths import OutputLengths
 from gateway.engine.live import EngineSnapshot
 
@@ -64,6 +64,7 @@ class Outlook:
 
     quantile: float
     lengths: OutputLengths | None = None
+    reach: float = 0.0  # how far past the budget the projected peak may go, as a share of it (``budget``)
 
     @property
     def z(self) -> float | None:
@@ -84,13 +85,14 @@ class Outlook:
 class Projector:
     """What the adaptive policy learns from the engine and from completed requests, and projects with."""
 
-    def __init__(self, credit_window: float, budget: float = 1.0) -> None:
+    def __init__(self, credit_window: float, budget: float = 1.0, kv_target: float = 1.0) -> None:
         self.optimism = PreemptionBudget(budget)
         self.outputs = OutputLengths()
         self._credit_window = credit_window
+        self._room_below = ROOM_BELOW * kv_target  # of the engine's cache
 
     def outlook(self) -> Outlook:
-        return Outlook(self.optimism.quantile, self.outputs)
+        return Outlook(self.optimism.quantile, self.outputs, self.optimism.reach)
 
     def completed(self, r: Booked, output: int | None, at: float) -> None:
         """``r`` ended at ``at``; ``output``: its output tokens per sequence when it ran to its end."""
@@ -99,18 +101,23 @@ class Projector:
             self.outputs.add(r.family, r.tenant, r.max_tokens, output)
 
     def observe(
-        self, old: EngineSnapshot, new: EngineSnapshot, in_flight: Iterable[Creditable], *, foreign: bool = False
+        self, old: EngineSnapshot, new: EngineSnapshot, in_flight: Iterable[Creditable], *, foreign: bool = False,
+        held_back: bool = False,
     ) -> float:
         """Learn from a new engine snapshot: preemptions move the optimism, progress earns credit. ``foreign``:
-        the engine runs traffic that bypasses the gateway; returns the preemptions not held against admission."""
+        the engine runs traffic that bypasses the gateway; ``held_back``: requests wait in the gateway's queue
+        (room in the engine is then room the projection did not see, not a load still ramping up); returns the
+        preemptions not held against admission."""
         if not (new.ok and new.has_metrics):
             for r in in_flight:
                 r.forget_credit()
             return 0.0
         clean = new.taken_at - old.taken_at if old.ok else None
         waiting = (new.waiting or 0) > 0
+        room = held_back and new.kv_usage is not None and new.kv_usage < self._room_below
         increase = self.optimism.observe(
-            new.preemptions_total, clean, at=new.taken_at, blame=not foreign, engine_waiting=waiting
+            new.preemptions_total, clean, at=new.taken_at, blame=not foreign, engine_waiting=waiting,
+            engine_room=room,
         )
         if increase > 0 and foreign:
             log.warning("engine reported %g new preemptions while traffic that bypasses the gateway ran; "

@@ -116,7 +116,9 @@ class Site:
         self.queue_cap: QueueCap | None = getattr(view, "queue_cap", None)
         self.kv = KvView(view, settings)
         self.books = Books()
-        self.projector = Projector(credit_window=2 * settings.scrape_interval, budget=settings.preemption_budget)
+        self.projector = Projector(
+            credit_window=2 * settings.scrape_interval, budget=settings.preemption_budget, kv_target=settings.kv_target
+        )
         self.policy = Policy(settings, self.kv, self.books, self.projector, headroom)
         self.in_flight: set[Reservation] = set()
         self.recent = RecentPrefixes()
@@ -155,11 +157,12 @@ class Site:
         """The site's view of an engine-wide snapshot (its rank's, on a data-parallel engine)."""
         return rank_snapshot(snap, str(self.target.rank)) if self.target.rank is not None else snap
 
-    def learn(self, old: EngineSnapshot, new: EngineSnapshot) -> float:
-        """A new snapshot of the engine: foreign traffic, and preemptions; returns those not blamed on us."""
+    def learn(self, old: EngineSnapshot, new: EngineSnapshot, held_back: bool = False) -> float:
+        """A new snapshot of the engine: foreign traffic, and preemptions; returns those not blamed on us.
+        ``held_back``: requests wait in the gateway's queue."""
         old, new = self.observe(old), self.observe(new)
         self.foreign = foreign_sequences(new, self.in_flight)
-        return self.projector.observe(old, new, self.in_flight, foreign=self.foreign > 0)
+        return self.projector.observe(old, new, self.in_flight, foreign=self.foreign > 0, held_back=held_back)
 
     def status(self, mode: str, sharing: bool) -> dict[str, Any]:
         cap = self.capacity()

@@ -127,10 +127,11 @@ def loop_thread_cpu_seconds(gw: Target) -> float:
 
 
 def probe_bound() -> float:
-    """``PROBE_BOUND_S`` on a quiet machine; stretched by the runnable threads per core beyond one (the load
-    average), since then every thread, the loop's included, waits that much longer for a core. Old code held
-    the loop 2.4-7 s of its own CPU per body: far past this bound at any load."""
-    return PROBE_BOUND_S * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    """Twice ``PROBE_BOUND_S`` on a quiet machine; stretched by the runnable threads per core beyond one (the load
+    average), since then every thread, the loop's included, waits that much longer for a core. The load average
+    trails a burst by a minute: a probe once waited 252 ms beside a full suite's run just before, with the loop's
+    own CPU within its bound. Old code held the loop 2.4-7 s of its own CPU per body: far past this at any load."""
+    return 2 * PROBE_BOUND_S * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
 
 
 @pytest.mark.parametrize("case", table(HOSTILE))

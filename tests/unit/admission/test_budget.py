@@ -7,7 +7,14 @@ import random
 
 import pytest
 
-from gateway.admission.budget import BEST_QUANTILE, MIN_COMPLETIONS, WINDOW_SECONDS, PreemptionBudget
+from gateway.admission.budget import (
+    BEST_QUANTILE,
+    MAX_REACH,
+    MIN_COMPLETIONS,
+    REACH_PER_SECOND,
+    WINDOW_SECONDS,
+    PreemptionBudget,
+)
 
 
 def completed(budget: PreemptionBudget, count: int, at: float) -> None:
@@ -66,11 +73,42 @@ def test_preemptions_of_traffic_that_bypasses_the_gateway_are_not_held_against_i
     assert control.value == 1.0 and control.rate(1.0) == 0.0
 
 
+@pytest.mark.parametrize(
+    ("room", "waiting", "reach"),
+    [
+        (True, False, 4 * REACH_PER_SECOND),  # room the projection does not see: four clean seconds of reach
+        (False, False, 0.0),  # the engine's own usage near the budget: no room to reach for
+        (True, True, 0.0),  # requests wait inside the engine: nothing more is sent past the model
+    ],
+)
+def test_the_reach_past_the_budget_grows_only_while_the_engine_has_room_and_nothing_waits(
+    room: bool, waiting: bool, reach: float
+) -> None:
+    control = PreemptionBudget(1.0)
+    control.observe(0.0, None, at=0.0)
+    for second in range(1, 5):
+        control.observe(0.0, 1.0, at=float(second), engine_room=room, engine_waiting=waiting)
+    assert control.reach == pytest.approx(reach) and control.quantile == BEST_QUANTILE
+
+
+def test_the_reach_stops_at_its_most_and_preemptions_past_the_budget_take_it_away_then_halve_the_level() -> None:
+    control = PreemptionBudget(1.0)
+    control.observe(0.0, None, at=0.0)
+    for second in range(1, 60):
+        control.observe(0.0, 2.0, at=2.0 * second, engine_room=True)
+    assert control.reach == MAX_REACH and control.status(120.0)["reach"] == MAX_REACH
+    control.observe(3.0, 2.0, at=120.0, engine_room=True)  # 3 preemptions over 20 completions: past 1 per 100
+    assert control.value == 1.0 and control.reach == 0.0 and control.quantile == BEST_QUANTILE
+    control.observe(6.0, 2.0, at=122.0, engine_room=True)
+    assert control.value == 0.5 and control.quantile > BEST_QUANTILE
+
+
 @pytest.mark.parametrize("seed", range(20))
-def test_the_level_stays_between_the_worst_case_and_full_and_never_falls_without_preemptions(seed: int) -> None:
+def test_the_level_stays_between_the_worst_case_and_full_reach_and_never_falls_without_preemptions(seed: int) -> None:
     rng = random.Random(seed)
     control = PreemptionBudget(rng.choice([0.0, 1.0, 5.0]))
     total, at = 0.0, 0.0
+    control.observe(total, None, at=at)  # the counter's first reading: what later ones are an increase over
     for _ in range(300):
         at += rng.uniform(0.05, 2.0)
         completed(control, rng.randint(0, 10), at)
@@ -78,8 +116,8 @@ def test_the_level_stays_between_the_worst_case_and_full_and_never_falls_without
         total += rng.randint(1, 4) if preempted else 0
         before = control.value
         control.observe(total, rng.choice([None, 0.25, 1.0]), at=at, engine_waiting=rng.random() < 0.3,
-                        blame=rng.random() < 0.9)
-        assert 0.0 <= control.value <= 1.0
+                        blame=rng.random() < 0.9, engine_room=rng.random() < 0.5)
+        assert 0.0 <= control.value <= 1.0 + MAX_REACH
         assert BEST_QUANTILE <= control.quantile <= 1.0
         assert preempted or control.value >= before
         assert not preempted or control.value <= before

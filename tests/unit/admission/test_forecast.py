@@ -118,6 +118,20 @@ def test_late_requests_are_those_that_miss_their_deadline_even_at_the_margin(
     assert [x.item.name for x in found] == late
 
 
+@pytest.mark.parametrize(
+    ("need", "late"),
+    [
+        pytest.param(45, ["b"], id="beyond the wait seen: refused as it arrives, though within the margin"),
+        pytest.param(38, [], id="within the wait seen: queued"),
+    ],
+)
+def test_the_arriving_request_is_judged_at_the_rate_seen(need: int, late: list[str]) -> None:
+    forecast, clock = primed(36)  # 4 blocks/s, 5.4 at the margin; 10 s to its deadline
+    queued, arriving = Item("a", 10), Item("b", need)  # placed ahead of "a" (a shorter job first)
+    found = forecast.late(backlog(arriving, queued, deadline=clock.now + 10.0), 0, 3, arriving=arriving)
+    assert [x.item.name for x in found] == late
+
+
 @pytest.mark.parametrize(("time_left", "late"), [(3.0, ["a"]), (2.9, [])])
 def test_nobody_is_refused_in_the_last_tenth_of_the_timeout(time_left: float, late: list[str]) -> None:
     forecast, clock = primed(36)

@@ -121,18 +121,33 @@ async def test_nothing_in_flight_sheds_nothing() -> None:
     await task
 
 
+async def test_an_arriving_request_is_judged_at_the_rate_seen_not_waited_on_for_a_later_refusal() -> None:
+    rig = Rig(queue_timeout=2.0, admission_policy="strict")  # arrival order
+    running, _, task = await steady(rig, 36)
+    # 13 blocks to free: 2.6 s at the rate seen (1.9 s at the margin's faster rate): refused as it arrives.
+    with pytest.raises(errors.QueueTimeoutExpected) as caught:
+        await rig.req(8).__aenter__()
+    assert "Expected wait 3 s for KV capacity exceeds the queue timeout of 2 s" in caught.value.message
+    assert rig.adm.queued == 1
+    await finish(rig, running, task)
+
+
 async def test_a_request_whose_wait_grew_past_what_is_left_learns_it_then() -> None:
     rig = Rig(queue_timeout=2.0, admission_policy="strict")  # arrival order
     running, _, task = await steady(rig, 36)
-    # 13 blocks to free: 2.6 s at the rate seen, but 1.9 s at the margin's: kept, as the forecast is not sure.
-    stalled = enter(rig.req(8))
+    # 9 blocks to free: 1.8 s at the rate seen: queued.
+    stalled = enter(rig.req(4))
     await settle()
     assert rig.adm.queued == 2
-    rig.clock.now += 0.5  # no release meanwhile: 1.5 s left, still 13 blocks to free
+    rig.clock.now += 0.5  # no release meanwhile: 1.5 s left, 1.3 s at the margin's rate: kept, as it is not sure
+    rig.adm.tick()
+    await settle()
+    assert rig.adm.queued == 2
+    rig.clock.now += 0.5  # 1 s left
     rig.adm.tick()
     with pytest.raises(errors.QueueTimeoutExpected) as caught:
         await stalled
-    assert "Expected wait 3 s for KV capacity exceeds the 1.5 s left of the 2 s queue timeout" in caught.value.message
+    assert "Expected wait 2 s for KV capacity exceeds the 1.0 s left of the 2 s queue timeout" in caught.value.message
     assert rig.adm.queued == 1  # the request ahead of it still makes it: kept
     await finish(rig, running, task)
 
