@@ -26,7 +26,8 @@ to ``--preemption-budget`` preemptions per 100 completed requests, and holds adm
   engine's room was then the load's, not the model's), overshot to 1.26x the budget and brought a burst of
   preemptions. Preemptions past the budget take the reach away at once; later ones (at most once a second)
   halve the level as before. So the engine's own usage and preemptions set how far past the model admission
-  goes.
+  goes. Under ``--ttft-objective`` there is no reach: room in the cache is not time in a compute-bound
+  engine, and a fuller engine runs each step slower (``projection.Projector``).
 
 ``--preemption-budget`` is 3 by default: on the realistic benchmark's chat workload at twice capacity
 (``bench/realistic.py``, 48 streams/s) the bare engine preempted 15-19 times per 100 requests, the target is a

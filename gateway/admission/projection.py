@@ -85,8 +85,11 @@ class Outlook:
 class Projector:
     """What the adaptive policy learns from the engine and from completed requests, and projects with."""
 
-    def __init__(self, credit_window: float, budget: float = 1.0, kv_target: float = 1.0) -> None:
+    def __init__(
+        self, credit_window: float, budget: float = 1.0, kv_target: float = 1.0, *, reach: bool = True
+    ) -> None:
         self.optimism = PreemptionBudget(budget)
+        self._reach = reach  # off under a TTFT objective: room in the cache is not time in the engine
         self.outputs = OutputLengths()
         self._credit_window = credit_window
         self._room_below = ROOM_BELOW * kv_target  # of the engine's cache
@@ -114,7 +117,7 @@ class Projector:
             return 0.0
         clean = new.taken_at - old.taken_at if old.ok else None
         waiting = (new.waiting or 0) > 0
-        room = held_back and new.kv_usage is not None and new.kv_usage < self._room_below
+        room = self._reach and held_back and new.kv_usage is not None and new.kv_usage < self._room_below
         increase = self.optimism.observe(
             new.preemptions_total, clean, at=new.taken_at, blame=not foreign, engine_waiting=waiting,
             engine_room=room,

@@ -117,7 +117,8 @@ class Site:
         self.kv = KvView(view, settings)
         self.books = Books()
         self.projector = Projector(
-            credit_window=2 * settings.scrape_interval, budget=settings.preemption_budget, kv_target=settings.kv_target
+            credit_window=2 * settings.scrape_interval, budget=settings.preemption_budget, kv_target=settings.kv_target,
+            reach=settings.ttft_objective is None,
         )
         self.policy = Policy(settings, self.kv, self.books, self.projector, headroom)
         self.in_flight: set[Reservation] = set()

@@ -128,18 +128,19 @@ def test_the_projector_credits_progress_on_good_snapshots_and_forgets_it_on_bad_
 
 
 @pytest.mark.parametrize(
-    ("held_back", "kv_usage", "kv_target", "reach"),
+    ("held_back", "kv_usage", "kv_target", "allowed", "reach"),
     [
-        (True, 0.5, 1.0, 0.2),  # requests wait in the gateway while the engine has room: four seconds of reach
-        (False, 0.5, 1.0, 0.0),  # nothing waits in the gateway: the engine's room is the load's, not the model's
-        (True, 0.95, 1.0, 0.0),  # the engine near full: no room the projection misses
-        (True, 0.5, 0.5, 0.0),  # at its operator's KV target already
+        (True, 0.5, 1.0, True, 0.2),  # requests wait in the gateway while the engine has room: 4 s of reach
+        (False, 0.5, 1.0, True, 0.0),  # nothing waits in the gateway: the engine's room is the load's
+        (True, 0.95, 1.0, True, 0.0),  # the engine near full: no room the projection misses
+        (True, 0.5, 0.5, True, 0.0),  # at its operator's KV target already
+        (True, 0.5, 1.0, False, 0.0),  # a TTFT objective: room in the cache is not time in the engine
     ],
 )
 def test_the_reach_grows_only_while_requests_wait_in_the_gateway_and_the_engine_has_room(
-    held_back: bool, kv_usage: float, kv_target: float, reach: float
+    held_back: bool, kv_usage: float, kv_target: float, allowed: bool, reach: float
 ) -> None:
-    projector = Projector(credit_window=0.5, kv_target=kv_target)
+    projector = Projector(credit_window=0.5, kv_target=kv_target, reach=allowed)
     snap = replace(never_scraped(0.0), ok=True, has_metrics=True, preemptions_total=0.0, kv_usage=kv_usage, waiting=0)
     for second in range(1, 5):
         new = replace(snap, taken_at=float(second))
