@@ -6,8 +6,9 @@ number of preemptions costs the engine less than holding half its batch back (vL
 watermark that lets a few happen beats both none and unlimited), so the controller lets the engine preempt, up
 to ``--preemption-budget`` preemptions per 100 completed requests, and holds admission back only past it:
 
-- the *level* (``value``, shown as ``optimism``) is in [0, 1]; the booking quantile is
-  ``1 - value x (1 - BEST_QUANTILE)``, and at 0 every request is booked at its worst case (``max_tokens``);
+- the *level* (``value``, shown as ``optimism``) is in [0, 1] (past 1: the reach, last below); the booking
+  quantile is ``1 - min(value, 1) x (1 - BEST_QUANTILE)``, and at 0 every request is booked at its worst case
+  (``max_tokens``);
 - on a fresh snapshot with new preemptions, when those of the last ``WINDOW_SECONDS`` exceed the budget over the
   requests completed in that time (at least ``MIN_COMPLETIONS`` of them: a handful of completions is no base for
   a rate), the level is halved (to 0 below ``LEVEL_FLOOR``), at most once per ``BACKOFF_SPACING`` (one burst of

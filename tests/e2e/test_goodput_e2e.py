@@ -31,9 +31,10 @@ def test_the_default_policy_learns_real_lengths_and_shows_its_budget(reject_gate
     assert status["policy"] == "adaptive"
     assert status["output_lengths"].get(f"{SERVED_MODEL_NAME}/completions/<=64", 0) >= ANSWERS, status
     budget = status["preemption_budget"]
-    assert budget["budget_per_100"] == 1.0 and 0.7 <= budget["quantile"] <= 1.0
+    assert budget["budget_per_100"] == 3.0 and 0.7 <= budget["quantile"] <= 1.0
+    assert budget["reach"] == 0.0  # nothing ever waited in the gateway's queue: no room to reach for
     page = httpx.get(f"{reject_gateway.url}/metrics", headers=headers, timeout=10.0).text
-    assert "vllm_guard_admission_booking_quantile" in page
+    assert "vllm_guard_admission_booking_quantile" in page and "vllm_guard_admission_reach 0.0" in page
 
 
 def test_a_bad_deadline_header_is_a_400_naming_it(reject_gateway: ServerProcess) -> None:
