@@ -20,7 +20,8 @@ to ``--preemption-budget`` preemptions per 100 completed requests, and holds adm
 - past full, the level goes on up to ``1 + MAX_REACH`` (``reach``: the projected peak may then pass the budget
   by that share) at ``REACH_PER_SECOND``, but only on snapshots where the engine has room the projection does
   not see: requests wait in the gateway's queue while the engine's own KV usage is under ``ROOM_BELOW`` of the
-  budget, nothing waits in the engine and nothing new was preempted. The projection is a model (streams the
+  budget, nothing waits in the engine, nothing new was preempted and the preemptions of the window are within
+  the budget (one burst past it takes the reach away until it has aged out). The projection is a model (streams the
   gateway relays late, requests that end in the engine before their stream does, a peak that may never come):
   sampled every 0.5 s at twice capacity, it stood at the budget while vLLM used 53-97% of its cache and the
   gateway queued 100-144 requests. Without the queue's condition the reach grew while the load ramped up (the
@@ -111,7 +112,7 @@ class PreemptionBudget:
             step = min(MAX_RECOVERY_STEP_SECONDS, max(0.0, clean_seconds))
             if self.value < 1.0:
                 self.value = min(1.0, self.value + RECOVERY_PER_SECOND * step)
-            elif engine_room:
+            elif engine_room and self.rate(at) <= self.budget:
                 self.value = min(1.0 + MAX_REACH, self.value + REACH_PER_SECOND * step)
         return increase
 

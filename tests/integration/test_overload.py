@@ -90,7 +90,8 @@ async def warmed(make: Callable[..., GatewayServer], **overrides: Any) -> tuple[
     is tested, so a third answered is enough to learn from."""
     gw = make(**overrides)
     counted = codes(await overload(gw.url, 12, float("inf")))
-    assert set(counted) <= {"ok", "queue_timeout"} and counted.get("ok", 0) >= 4, counted
+    # The burst's last requests may be refused as they arrive, once the releases seen say they will not make it.
+    assert set(counted) <= {"ok", "queue_timeout", "queue_timeout_expected"} and counted.get("ok", 0) >= 4, counted
     return gw, counted
 
 
@@ -113,7 +114,8 @@ async def test_under_overload_requests_are_answered_or_refused_early(rig: Callab
     assert statistics.median(seconds for _, seconds in refused) < QUEUE_TIMEOUT / 4
     async with httpx.AsyncClient() as client:
         page = (await client.get(gw.url + "/metrics")).text
-    assert metric(page, "vllm_guard_rejections_total", reason="queue_timeout_expected") == len(refused)
+    expected = len(refused) + warm_up.get("queue_timeout_expected", 0)
+    assert metric(page, "vllm_guard_rejections_total", reason="queue_timeout_expected") == expected
     timed_out = counted.get("queue_timeout", 0) + warm_up.get("queue_timeout", 0)
     assert (metric(page, "vllm_guard_rejections_total", reason="queue_timeout") or 0) == timed_out
 

@@ -91,16 +91,30 @@ def test_the_reach_past_the_budget_grows_only_while_the_engine_has_room_and_noth
     assert control.reach == pytest.approx(reach) and control.quantile == BEST_QUANTILE
 
 
-def test_the_reach_stops_at_its_most_and_preemptions_past_the_budget_take_it_away_then_halve_the_level() -> None:
-    control = PreemptionBudget(1.0)
+def full_reach(control: PreemptionBudget) -> None:
     control.observe(0.0, None, at=0.0)
     for second in range(1, 60):
         control.observe(0.0, 2.0, at=2.0 * second, engine_room=True)
-    assert control.reach == MAX_REACH and control.status(120.0)["reach"] == MAX_REACH
+
+
+def test_the_reach_stops_at_its_most_and_preemptions_past_the_budget_take_it_away_then_halve_the_level() -> None:
+    control = PreemptionBudget(1.0)
+    full_reach(control)
+    assert control.reach == MAX_REACH and control.status(118.0)["reach"] == MAX_REACH
     control.observe(3.0, 2.0, at=120.0, engine_room=True)  # 3 preemptions over 20 completions: past 1 per 100
     assert control.value == 1.0 and control.reach == 0.0 and control.quantile == BEST_QUANTILE
     control.observe(6.0, 2.0, at=122.0, engine_room=True)
-    assert control.value == 0.5 and control.quantile > BEST_QUANTILE
+    assert control.value == 0.5 and control.quantile > BEST_QUANTILE  # more of them: the level halves
+
+
+def test_the_reach_comes_back_only_once_the_preemptions_past_the_budget_have_aged_out() -> None:
+    control = PreemptionBudget(1.0)
+    full_reach(control)
+    control.observe(3.0, 2.0, at=120.0, engine_room=True)
+    control.observe(3.0, 1.0, at=121.0, engine_room=True)
+    assert control.reach == 0.0  # room, but the window's preemptions are past the budget
+    control.observe(3.0, 2.0, at=120.0 + WINDOW_SECONDS + 1.0, engine_room=True)
+    assert control.reach == pytest.approx(2 * REACH_PER_SECOND)
 
 
 @pytest.mark.parametrize("seed", range(20))
