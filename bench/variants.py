@@ -23,7 +23,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +39,7 @@ from tests.e2e.servers import (  # noqa: E402
     ServerProcess,
     ensure_tiny_model,
     free_port,
-    metric_sum,
+    scrape_counter,
     vllm_server,
 )
 
@@ -52,8 +51,7 @@ def split_target(spec: str) -> tuple[Path, list[str]]:
 
 
 def preemptions(url: str) -> float:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-        return metric_sum(r.read().decode(), PREEMPTIONS)
+    return scrape_counter(f"{url}/metrics", PREEMPTIONS)
 
 
 def main() -> int:

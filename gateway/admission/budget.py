@@ -93,7 +93,8 @@ class PreemptionBudget:
         blame: bool = True, engine_waiting: bool = False, engine_room: bool = False,
     ) -> float:
         """Account one fresh snapshot taken ``at``; ``clean_seconds`` is the time since the previous good one
-        (None if there was none); ``engine_room``: the engine's own usage is under ``ROOM_BELOW`` of the budget.
+        (None if there was none); ``engine_room``: the engine has room the projection does not see (requests wait
+        in the gateway while the engine's own usage is under ``ROOM_BELOW`` of the budget: ``Projector.observe``).
         Returns the preemptions new since the last snapshot."""
         increase = counter_increase(self._last_preemptions, preemptions_total)
         if preemptions_total is not None:
