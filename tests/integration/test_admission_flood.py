@@ -237,11 +237,18 @@ async def test_adaptive_admits_more_than_strict_when_requests_stop_early_and_onl
     assert peaks["adaptive"] > ledger_bound, peaks
 
 
+def backed_off(status: dict[str, Any]) -> bool:
+    budget = status["preemption_budget"]
+    return bool(budget["preemptions_per_100"] > 0 and budget["reach"] == 0 and budget["level"] <= 1.0)
+
+
 async def test_adaptive_backs_off_when_outputs_grow_longer_than_it_learned(
     make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
 ) -> None:
     sim = make_sim(stop_early=lambda index, max_tokens: 4)
-    gw = make_gateway(sim, admission_policy="adaptive", queue_timeout=30.0)
+    # A budget of 0: any preemption is past it. With the default, a burst of one or two preemptions over 52
+    # completions is within the budget and the gateway rightly keeps its level.
+    gw = make_gateway(sim, admission_policy="adaptive", queue_timeout=30.0, preemption_budget=0.0)
     learned = await flood(gw.url, 12, completion(16, FLOOD_MAX_TOKENS))
     assert [r.status_code for r in learned] == [200] * 12
     assert sum(gw.status()["output_lengths"].values()) == 12
@@ -252,7 +259,8 @@ async def test_adaptive_backs_off_when_outputs_grow_longer_than_it_learned(
     assert sum(gw.status()["output_lengths"].values()) == 12 + FLOOD
     preempted = sim.sim.preemptions_total
     if preempted:
-        await eventually(lambda: gw.status()["optimism"] < 1.0, "optimism lowered after preemptions")
+        # Backing off: a level that had reached past the projection falls back to it, one at or under it halves.
+        await eventually(lambda: backed_off(gw.status()), "the level lowered after preemptions")
     second = await flood(gw.url, FLOOD, flood_body(ignore_eos=True))
     assert [r.status_code for r in second] == [200] * FLOOD
     assert sim.sim.preemptions_total == preempted
