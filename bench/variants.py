@@ -61,13 +61,14 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=15.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--logs", type=Path, default=Path("/tmp/bench-variants"))
+    parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_BYTES >> 20, help="the engine's KV cache, MiB")
     parser.add_argument("--renice", type=int, help="also run each gateway at this niceness (as a second target)")
     args = parser.parse_args()
     args.logs.mkdir(parents=True, exist_ok=True)
     model = ensure_tiny_model(DEFAULT_MAX_MODEL_LEN)
     eos = json.loads((model / "config.json").read_text())["eos_token_id"]
     eos_id = int(eos[0] if isinstance(eos, list) else eos)
-    engine = vllm_server(model, args.logs / "vllm.log", kv_cache_memory_bytes=KV_CACHE_BYTES).start()
+    engine = vllm_server(model, args.logs / "vllm.log", kv_cache_memory_bytes=args.kv_cache_mib << 20).start()
     gateways: dict[str, ServerProcess] = {}
     try:
         engine.wait_ready(VLLM_READY_PATHS, 900)
