@@ -238,8 +238,10 @@ async def test_adaptive_admits_more_than_strict_when_requests_stop_early_and_onl
 
 
 def backed_off(status: dict[str, Any]) -> bool:
+    """The preemptions are counted and the level reaches no further than the projection (the reach is the level
+    past 1)."""
     budget = status["preemption_budget"]
-    return bool(budget["preemptions_per_100"] > 0 and budget["reach"] == 0 and budget["level"] <= 1.0)
+    return bool(budget["preemptions_per_100"] > 0 and budget["reach"] == 0)
 
 
 async def test_adaptive_backs_off_when_outputs_grow_longer_than_it_learned(
