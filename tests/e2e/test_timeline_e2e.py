@@ -5,6 +5,7 @@ the others near their end overlaps their ends with its growth), and vLLM reports
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -76,20 +77,41 @@ def most_at_once(spans: list[tuple[float, float]]) -> int:
 ATTEMPTS = 5  # floods at most, until one shows the overlap (3 once showed none in a full suite run)
 
 
+LONG = 2000  # one stream's tokens: seconds of the engine's work, longer than the gateway waits for a busy core
+SHOW_ATTEMPTS = 3
+
+
 async def shown_while_streaming(client: httpx.AsyncClient, url: str) -> bool:
-    """Whether /guard/status shows a stream it tracks by time while one is surely open (a watcher sampling during
-    a flood on two busy cores can see none: the flood ends between two samples)."""
-    async with client.stream("POST", f"{url}/v1/completions", json=body(FLOOD)) as answer:
-        async for line in answer.aiter_lines():
-            if line.startswith("data: {"):
-                break
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            status = (await client.get(f"{url}/guard/status")).json()
-            if status["time_aware"]["on"] and status["time_aware"]["tracked_in_flight"] > 0:
-                return True
-            await asyncio.sleep(0.05)
+    """Whether /guard/status shows a stream it tracks by time while one is surely open. A watcher sampling during
+    a flood on two busy cores can see none (the flood ends between two samples), and so can one beside a short
+    stream: a gateway kept off its core for a second or two reads a 480-token answer whole, its progress and its
+    end at once. A stream of ``LONG`` tokens, read as it comes, with the status polled beside it."""
+    for _ in range(SHOW_ATTEMPTS):
+        seen = asyncio.Event()
+        poller = asyncio.create_task(poll_until_tracked(client, url, seen))
+        try:
+            long = {**body(FLOOD), "max_tokens": LONG}
+            async with client.stream("POST", f"{url}/v1/completions", json=long) as answer:
+                assert answer.status_code == 200, await answer.aread()
+                async for _ in answer.aiter_raw():
+                    if seen.is_set():
+                        break  # left early: the gateway cancels the engine's request and frees its blocks
+        finally:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+        if seen.is_set():
+            return True
     return False
+
+
+async def poll_until_tracked(client: httpx.AsyncClient, url: str, seen: asyncio.Event) -> None:
+    while True:
+        status = (await client.get(f"{url}/guard/status")).json()
+        if status["time_aware"]["on"] and status["time_aware"]["tracked_in_flight"] > 0:
+            seen.set()
+            return
+        await asyncio.sleep(0.02)
 
 
 async def test_a_staggered_flood_through_time_aware_strict_runs_more_at_once_and_never_preempts(
