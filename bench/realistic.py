@@ -206,6 +206,22 @@ def cpu_seconds(server: ServerProcess | None) -> float:
         return 0.0
 
 
+def renice_engine_core(engine: ServerProcess, niceness: int) -> int:
+    """Every thread of vLLM's engine core process (``VLLM::EngineCore``) at ``niceness`` (Linux keeps a niceness
+    per thread; threads it starts later inherit it); returns how many were set. Its busy loop waits for its worker
+    by spinning on ``sched_yield``, which on a shared core takes the turns of the API server, the client and a
+    gateway (docs/realistic.md, "Where a first token's time goes at capacity")."""
+    if engine.proc is None:
+        return 0
+    count = 0
+    for child in psutil.Process(engine.proc.pid).children(recursive=True):
+        if child.name().startswith("VLLM::EngineCor"):
+            for thread in child.threads():
+                os.setpriority(os.PRIO_PROCESS, thread.id, niceness)
+                count += 1
+    return count
+
+
 def start_servers(args: argparse.Namespace, targets: Sequence[str], loads: Sequence[str], logs: Path) -> Bench:
     model = ensure_tiny_model(DEFAULT_MAX_MODEL_LEN)
     eos = json.loads((model / "config.json").read_text())["eos_token_id"]
@@ -219,6 +235,8 @@ def start_servers(args: argparse.Namespace, targets: Sequence[str], loads: Seque
                   model)
     for engine in engines.values():
         engine.wait_ready(VLLM_READY_PATHS, 900)
+        if args.engine_core_nice is not None and not renice_engine_core(engine, args.engine_core_nice):
+            raise SystemExit(f"realistic: no engine core process found under {engine.name}'s pid")
     wanted = {LOADS[n].objective_flag for n in loads}
     for target in targets:
         flags = TARGETS[target][1]
@@ -304,6 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--baseline-src", type=Path, default=None, help="the gateway package of target 'before'")
     parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_BYTES >> 20, help="each engine's KV cache, "
                         "MiB (64: 512 blocks of 128 tokens); a smaller one makes the cache, not the CPU, bind first")
+    parser.add_argument("--engine-core-nice", type=int, default=None, help="run every vLLM's engine core process "
+                        "at this niceness (a setting of the host: every target gets it)")
     parser.add_argument("--quick", action="store_true", help="one short run of each load (a smoke test)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument("--pictures", type=Path, default=ROOT / "docs" / "img")
