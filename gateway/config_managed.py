@@ -35,6 +35,11 @@ class ManagedFields(BaseModel):
         description="Restart the managed engines this often, one at a time while the others serve (a duration: "
         "3600, 90m, 6h, 1d; off by default). The usual cure for slow memory creep.",
     )
+    engine_core_nice: int | None = Field(
+        None, ge=-20, le=19, description="Managed mode: run vLLM's engine core processes at this niceness once the "
+        "engine is ready (off by default). Its busy loop spins while it waits for its worker; where it shares CPU "
+        "cores with vLLM's API server and the gateway (a small host, the CPU build), 10 gives them their turns."
+    )
     startup_timeout: float = Field(900.0, gt=0, description="Seconds the managed vLLM may take to be ready.")
     hang_timeout: float = Field(
         15.0, gt=0, description="Seconds without progress, while work runs, that count as a hang. Proxy mode: "

@@ -23,6 +23,7 @@ from gateway.managed.child import EngineChild, launch_child, stop_child
 from gateway.managed.command import arg_value, base_command, engine_args, free_port, redact
 from gateway.managed.lifecycle import EngineLifecycle, EngineStatus, Phase
 from gateway.managed.logfacts import CudaOutOfMemory, EngineDead, InsufficientFreeMemory, LogEvent, describe_failure
+from gateway.managed.niceness import renice_engine_cores
 from gateway.managed.probe import EngineProbe, EngineWatch, GpuProbe, NvmlProbe
 from gateway.managed.restarts import RestartBudget
 from gateway.managed.tasks import OwnedTasks
@@ -350,6 +351,10 @@ class Supervisor:
         self._ready_since = self.clock()
         cap = child.facts.capacity(None)
         log.info("%s ready at %s (pid %s, KV capacity from log: %s)", self._who, self.url, child.engine_pid(), cap)
+        niceness = self.settings.engine_core_nice
+        if niceness is not None:
+            cores = renice_engine_cores(guardian.group_pids(child.pgid), niceness)
+            log.info("%s: engine core processes %s at niceness %d", self._who, cores or "(none found)", niceness)
         self._phase.set(EngineLifecycle.READY)
         self._tasks.spawn(self._watch(child))
 

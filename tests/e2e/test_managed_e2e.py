@@ -39,6 +39,7 @@ NATIVE_CONTEXT = 32768
 BLOCK_SIZE = 128  # vLLM's CPU backend
 KEY = "managed-e2e-key"
 ADMIN_KEY = "managed-e2e-admin"
+ENGINE_CORE_NICE = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)  # raising a niceness needs no privilege
 AUTH = {"Authorization": f"Bearer {KEY}"}
 SERVED = "tiny-managed"
 HANG_TIMEOUT = 10
@@ -91,6 +92,7 @@ def managed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Managed]:
         "--startup-timeout", str(START_TIMEOUT), "--hang-timeout", str(HANG_TIMEOUT), "--drain-timeout", "10",
         # Requests queued during a restart must outlast a whole vLLM start-up.
         "--queue-timeout", "400",
+        "--engine-core-nice", str(ENGINE_CORE_NICE),
         "--", "--dtype", "float32", "--kv-cache-memory-bytes", str(DEFAULT_KV_CACHE_BYTES),
     ]  # fmt: skip
     server = ServerProcess("managed gateway", argv, port, logs / "managed-gateway.log")
@@ -130,6 +132,12 @@ def test_start_up_auto_fits_max_model_len_to_vllms_estimate(managed: Managed) ->
     assert r.status_code == 200, r.text
 
 
+def test_vllms_engine_core_runs_at_the_niceness_asked_and_its_api_server_keeps_its_own(managed: Managed) -> None:
+    engine = managed.status()["engine"]
+    assert engine_core_niceness(int(engine["pgid"])) == {ENGINE_CORE_NICE}
+    assert os.getpriority(os.PRIO_PROCESS, int(engine["pid"])) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def test_a_killed_engine_core_is_restarted_under_load_without_losing_a_request(managed: Managed) -> None:
     before = managed.status()
     assert before["upstream"]["state"] == "ready"
@@ -139,6 +147,7 @@ def test_a_killed_engine_core_is_restarted_under_load_without_losing_a_request(m
     after = managed.status()
     assert after["restarts"] == before["restarts"] + 1
     assert after["upstream"]["last_restart_reason"] == "exit"
+    assert engine_core_niceness(int(after["engine"]["pgid"])) == {ENGINE_CORE_NICE}  # the new engine's too
     lost = [a for a in answers if a != 200]
     assert not lost, f"{len(lost)} of {len(answers)} requests failed: {lost[:5]}"
     assert (after["committed_blocks"], after["in_flight"], after["queued"]) == (0, 0, 0)
@@ -204,6 +213,13 @@ async def _load_while(managed: Managed, act: Callable[[], None], clients: int = 
             stop.set()
             await asyncio.gather(*tasks)
     return answers
+
+
+def engine_core_niceness(pgid: int) -> set[int]:
+    """The niceness of each thread of the group's engine core process."""
+    core = _engine_core(pgid)
+    assert core is not None, "no engine core process in the managed group"
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{core}/task")}
 
 
 def _engine_core(pgid: int) -> int | None:

@@ -59,6 +59,12 @@ def say(level: str, text: str) -> None:
     print(f"{level} {time.strftime('%m-%d %H:%M:%S')} [fake_vllm.py:1] {text}", flush=True)
 
 
+ENGINE_CORE = (
+    "import ctypes, threading, time; ctypes.CDLL(None).prctl(15, b'VLLM::EngineCor', 0, 0, 0); "
+    "threading.Thread(target=time.sleep, args=(3600,), daemon=True).start(); time.sleep(3600)"
+)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--port", type=int, required=True)
@@ -134,9 +140,11 @@ def main() -> int:
     kv_tokens = min(args.fake_kv_tokens, 10**9)
     say("INFO", f"CPU KV cache size: {kv_tokens:,} tokens, Maximum concurrency for {max_len:,} tokens per "
         f"request: {kv_tokens / max_len:.2f}x")
-    if scenario == "grandchild" and args.fake_state_dir:
-        # Like vLLM's EngineCore: a second process of the engine that does not watch its parent.
-        gc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    if scenario in ("grandchild", "engine-core") and args.fake_state_dir:
+        # Like vLLM's EngineCore: a second process of the engine that does not watch its parent ("engine-core":
+        # named as vLLM names it, with a second thread, as its busy loop has beside its sockets' threads).
+        code = ENGINE_CORE if scenario == "engine-core" else "import time; time.sleep(3600)"
+        gc = subprocess.Popen([sys.executable, "-c", code])
         (Path(args.fake_state_dir) / f"grandchild-{launch}").write_text(str(gc.pid))
 
     stalled = scenario == "stall"

@@ -67,6 +67,19 @@ async def test_start_waits_for_ready_and_reads_capacity_from_the_log(
     assert group_pids(pgid) == []
 
 
+async def test_the_engine_core_runs_at_the_niceness_asked_once_the_engine_is_ready(
+    state: Path, supervisors: list[Supervisor]
+) -> None:
+    niceness = min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    sup, _ = make(supervisors, settings(state, "engine-core", engine_core_nice=niceness))
+    await sup.start()
+    core = int((state / "grandchild-1").read_text())
+    api_server = int((state / "pid-1").read_text())
+    assert {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{core}/task")} == {niceness}
+    assert os.getpriority(os.PRIO_PROCESS, api_server) == os.getpriority(os.PRIO_PROCESS, 0)
+    await sup.stop()
+
+
 async def test_a_crash_is_restarted_with_a_drain_and_counted(state: Path, supervisors: list[Supervisor]) -> None:
     admission = FakeAdmission()
     sup, metrics = make(supervisors, settings(state, "crash-after", "--fake-on", "1", *fail_when(state)), admission)
