@@ -265,7 +265,10 @@ async def test_adaptive_backs_off_when_outputs_grow_longer_than_it_learned(
         await eventually(lambda: backed_off(gw.status()), "the level lowered after preemptions")
     second = await flood(gw.url, FLOOD, flood_body(ignore_eos=True))
     assert [r.status_code for r in second] == [200] * FLOOD
-    assert sim.sim.preemptions_total == preempted
+    # Learned: the second burst preempts less than the first (none if the first did not). Not always none: the
+    # window's preemptions age while the second burst runs, and on a loaded machine one was seen (1 against 8).
+    again = sim.sim.preemptions_total - preempted
+    assert again < preempted or again == preempted == 0, f"{again} preemptions after the first burst's {preempted}"
 
 
 # -- the queue --------------------------------------------------------------------------------------
