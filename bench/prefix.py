@@ -27,6 +27,7 @@ counters), failed requests; the median of the runs by throughput.
     .venv/bin/python bench/prefix.py --workload chat --policy strict --policy strict+time
     .venv/bin/python bench/prefix.py --workload shared --workload chat --workload overload \
         --policy watermark --policy strict --policy default     # vLLM's --watermark 0.05 beside the gateway
+    .venv/bin/python bench/prefix.py ... --engine-core-nice 10  # both engines' engine cores at niceness 10
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.prefix_clients import gateway_refusals, multiturn, n_sampling, vllm_bench  # noqa: E402
+from bench.realistic import renice_engine_core  # noqa: E402
 from tests.e2e.servers import (  # noqa: E402
     DEFAULT_MAX_MODEL_LEN,
     GATEWAY_READY_PATHS,
@@ -225,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="default strict and adaptive; 'watermark' is vLLM alone with --watermark 0.05")
     parser.add_argument("--repeat", type=int, default=3, help="runs per cell, taken in turns (3)")
     parser.add_argument("--out", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--engine-core-nice", type=int, default=None, help="run each vLLM's engine core process "
+                        "at this niceness (a setting of the host: every target gets it; docs/realistic.md)")
     args = parser.parse_args(argv)
     names = args.workload or list(WORKLOADS)
     policies = args.policy or ["strict", "adaptive"]
@@ -242,6 +246,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             watermarked.start()
             watermarked.wait_ready(VLLM_READY_PATHS, 600)
         vllm.wait_ready(VLLM_READY_PATHS, 600)
+        if args.engine_core_nice is not None:
+            for engine in (vllm, watermarked):
+                if engine.alive() and not renice_engine_core(engine, args.engine_core_nice):
+                    raise SystemExit(f"prefix: no engine core process found under {engine.name}'s pid")
         version = get_json(f"{vllm.url}/version").get("version", "?")
         gated = [p for p in policies if p != WATERMARK]
         for key, (p, n) in {gateway_key(p, n): (p, n) for p in gated for n in names}.items():

@@ -14,19 +14,22 @@ from the first release in the window to the last, so it does not sag between two
 on every pass, would shed on noise); a stall does not raise the estimate either: requests then wait out their
 timeout as before.
 
-A request is judged as it arrives at the rate seen: one forecast to miss its deadline is refused then, within
-moments of its arrival, rather than after waiting most of its deadline out for a refusal all the same (under a
-sustained overload with a 5-s objective, judged with the margin below from the start, refusals came a p99 of 7.2 s
-after arrival). Once queued, shedding is conservative. A queued request is refused only when it would still miss
-its deadline if capacity came back ``SPEEDUP_MARGIN + SPEEDUP_PER_ROOT / sqrt(releases)`` times faster than seen
-(1.71x after 6 releases, 1.29x after 64: a count of releases is uncertain by about its square root), as when the
-engine slowed down or requests were placed ahead of it; never before ``MIN_RELEASES`` releases were seen
-while requests waited, never while nothing is in flight or admission is paused, never when nothing need be freed
-for it, and never in the last ``LAST_SHARE`` of its timeout: a refusal then would save no wait, and turn a request
-that might still go at the next release (the head's turn comes with one release, not at an average rate) into a
-refusal; it waits on, and is admitted or times out as before. Each pass over the queue checks every waiting
-request in order: one whose wait grew past its deadline learns it then, and a request refused frees its place
-for those behind it in the same pass.
+A request is judged as it arrives, at the rate seen, and queued only when that rate admits it within
+``ARRIVAL_SHARE`` of the time it may wait: the rest is slack for a rate that moves while it waits. One forecast to
+miss that is refused then, within moments of its arrival, rather than after waiting most of its deadline out for
+a refusal all the same (under a sustained overload with a 5-s objective, judged with the margin below from the
+start, refusals came a p99 of 7.2 s after arrival; judged at the rate seen with no slack, the queue settled where
+every newcomer was forecast just within its deadline, and 29% of the refusals came 1-5 s after arrival, as the
+rate dipped under the forecast of requests already queued). Once queued, shedding is conservative. A queued
+request is refused only when it would still miss its deadline if capacity came back ``SPEEDUP_MARGIN +
+SPEEDUP_PER_ROOT / sqrt(releases)`` times faster than seen (1.71x after 6 releases, 1.29x after 64: a count of
+releases is uncertain by about its square root), as when the engine slowed down or requests were placed ahead of
+it; never before ``MIN_RELEASES`` releases were seen while requests waited, never while nothing is in flight or
+admission is paused, never when nothing need be freed for it, and never in the last ``LAST_SHARE`` of its
+timeout: a refusal then would save no wait, and turn a request that might still go at the next release (the
+head's turn comes with one release, not at an average rate) into a refusal; it waits on, and is admitted or times
+out as before. Each pass over the queue checks every waiting request in order: one whose wait grew past its
+deadline learns it then, and a request refused frees its place for those behind it in the same pass.
 
 Why these figures: on a model of the benchmark's overload (64 requests at 6/s, 700 +- 90% prompt and 500 +- 90%
 output tokens, a 31-block budget), the actual wait over the estimate ranged (5th to 95th percentile) 0.74-1.67
@@ -48,6 +51,7 @@ WINDOW_SECONDS = 60.0
 MIN_RELEASES = 6
 SPEEDUP_MARGIN, SPEEDUP_PER_ROOT = 1.1, 1.5
 LAST_SHARE = 0.1  # of the queue timeout, in which nobody is refused by the forecast
+ARRIVAL_SHARE = 0.8  # of its time to wait, within which an arriving request must be forecast to go
 
 W = TypeVar("W", bound=Waiting)
 
@@ -63,6 +67,7 @@ class Late(Generic[W]):
     blocks_ahead: int  # blocks they need, its own excluded
     blocks_per_second: float
     in_flight: int  # requests whose release it waits for
+    arriving: bool = False  # judged as it arrived: within ``ARRIVAL_SHARE`` of its time
 
 
 @dataclass(frozen=True)
@@ -162,7 +167,8 @@ class Forecast:
     ) -> list[Late[W]]:
         """The requests of ``backlog`` (``(lane, share, request, deadline)`` in each lane's order, as
         ``WaitQueue.backlog`` gives them) that would miss their deadline: ``arriving``, the request just queued,
-        at the rate seen; the others even at the margin's faster rate. ``span``: how long a request may wait in all
+        when the rate seen would not admit it within ``ARRIVAL_SHARE`` of its time; the others even at the
+        margin's faster rate. ``span``: how long a request may wait in all
         (its own deadline may be shorter than the queue timeout); none is refused in the last ``LAST_SHARE`` of
         it."""
         seen = self.rate()
@@ -180,10 +186,15 @@ class Forecast:
             need = max(0, through - free)
             time_left = deadline - now
             last_moments = self._last_moments if span is None else LAST_SHARE * span(item)
-            judged_at = rate if item is arriving else fast
-            if need > 0 and need / judged_at > time_left >= last_moments:
+            if item is arriving:
+                late = need > 0 and need / rate > ARRIVAL_SHARE * time_left
+            else:
+                late = need > 0 and need / fast > time_left >= last_moments
+            if late:
                 position = math.ceil((count + 1) / share) - 1
-                found.append(Late(item, need / rate, time_left, position, through - item.blocks, rate, in_flight))
+                found.append(Late(
+                    item, need / rate, time_left, position, through - item.blocks, rate, in_flight, item is arriving
+                ))
                 continue  # refused: it frees its place for those behind it
             ahead[lane] = (blocks + item.blocks, count + 1)
         return found

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 from gateway import errors
 from gateway.admission.deadlines import WaitLimit
-from gateway.admission.forecast import Late
+from gateway.admission.forecast import ARRIVAL_SHARE, Late
 from gateway.admission.queue import RETRY_AFTER_MAX, RETRY_AFTER_MIN
 
 
@@ -33,13 +33,12 @@ def queue_timeout(
 
 def queue_timeout_expected(late: Late[Any], timeout: float) -> errors.QueueTimeoutExpected:
     """A queued request forecast to wait past its queue timeout (503 at once, ``Retry-After`` the expected wait)."""
-    waited = timeout - late.time_left
     deadline = (
-        f"the queue timeout of {timeout:g} s" if waited < 0.1  # refused as it arrived
+        f"{ARRIVAL_SHARE:.0%} of the queue timeout of {timeout:g} s" if late.arriving
         else f"the {late.time_left:.1f} s left of the {timeout:g} s queue timeout"
     )
     return errors.QueueTimeoutExpected(
-        f"Expected wait {late.expected_wait:.0f} s for KV capacity exceeds {deadline} (ahead of it: "
+        f"Expected wait {late.expected_wait:.1f} s for KV capacity exceeds {deadline} (ahead of it: "
         f"{_count(late.position, 'request')} needing {_count(late.blocks_ahead, 'KV block')}; "
         f"{_count(late.in_flight, 'request')} in flight free {late.blocks_per_second:.1f} blocks/s); retry later.",
         retry_after=min(RETRY_AFTER_MAX, max(RETRY_AFTER_MIN, late.expected_wait)),
@@ -65,11 +64,12 @@ def expected_late(late: Late[Any], timeout: float) -> errors.QueueTimeoutExpecte
     limit: WaitLimit | None = late.item.wait_limit
     if limit is None or not limit.own:
         return queue_timeout_expected(late, timeout)
+    reach = (f"exceeds {ARRIVAL_SHARE:.0%} of the {late.time_left:.1f} s to the request's deadline" if late.arriving
+             else f"misses the request's deadline, {late.time_left:.1f} s away")
     return errors.DeadlineUnreachable(
-        f"Expected wait {late.expected_wait:.1f} s for KV capacity{_engine(limit)} misses the request's deadline, "
-        f"{late.time_left:.1f} s away (ahead of it: {_count(late.position, 'request')} needing "
-        f"{_count(late.blocks_ahead, 'KV block')}; {_count(late.in_flight, 'request')} in flight free "
-        f"{late.blocks_per_second:.1f} blocks/s); retry later.",
+        f"Expected wait {late.expected_wait:.1f} s for KV capacity{_engine(limit)} {reach} (ahead of it: "
+        f"{_count(late.position, 'request')} needing {_count(late.blocks_ahead, 'KV block')}; "
+        f"{_count(late.in_flight, 'request')} in flight free {late.blocks_per_second:.1f} blocks/s); retry later.",
         retry_after=min(RETRY_AFTER_MAX, max(RETRY_AFTER_MIN, late.expected_wait)),
     )
 

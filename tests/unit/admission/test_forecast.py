@@ -122,14 +122,24 @@ def test_late_requests_are_those_that_miss_their_deadline_even_at_the_margin(
     ("need", "late"),
     [
         pytest.param(45, ["b"], id="beyond the wait seen: refused as it arrives, though within the margin"),
-        pytest.param(38, [], id="within the wait seen: queued"),
+        pytest.param(38, ["b"], id="within its deadline at the rate seen, past the share it must be within"),
+        pytest.param(32, [], id="within the share of its time at the rate seen: queued"),
     ],
 )
-def test_the_arriving_request_is_judged_at_the_rate_seen(need: int, late: list[str]) -> None:
-    forecast, clock = primed(36)  # 4 blocks/s, 5.4 at the margin; 10 s to its deadline
+def test_the_arriving_request_is_judged_at_the_rate_seen_within_a_share_of_its_time(
+    need: int, late: list[str]
+) -> None:
+    forecast, clock = primed(36)  # 4 blocks/s, 5.4 at the margin; 10 s to its deadline, 8 s of it to be admitted
     queued, arriving = Item("a", 10), Item("b", need)  # placed ahead of "a" (a shorter job first)
     found = forecast.late(backlog(arriving, queued, deadline=clock.now + 10.0), 0, 3, arriving=arriving)
     assert [x.item.name for x in found] == late
+    assert all(x.arriving for x in found)
+
+
+def test_the_same_request_once_queued_is_kept_at_the_margin() -> None:
+    forecast, clock = primed(36)
+    found = forecast.late(backlog(Item("b", 38), Item("a", 10), deadline=clock.now + 10.0), 0, 3)
+    assert found == []
 
 
 @pytest.mark.parametrize(("time_left", "late"), [(3.0, ["a"]), (2.9, [])])

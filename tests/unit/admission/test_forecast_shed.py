@@ -53,7 +53,7 @@ async def test_a_hopeless_request_is_refused_at_once_with_the_expected_wait_as_r
     assert refusal.code == "queue_timeout_expected"
     assert refusal.retry_after == pytest.approx(3.0) and error_headers(refusal)["retry-after"] == "3"
     assert refusal.message == (
-        "Expected wait 3 s for KV capacity exceeds the queue timeout of 2 s (ahead of it: 1 request needing "
+        "Expected wait 3.0 s for KV capacity exceeds 80% of the queue timeout of 2 s (ahead of it: 1 request needing "
         "5 KV blocks; 2 requests in flight free 5.0 blocks/s); retry later."
     )
     assert (rig.adm.queued, rig.adm.committed) == (1, 10)  # its place given back, the books untouched
@@ -127,7 +127,7 @@ async def test_an_arriving_request_is_judged_at_the_rate_seen_not_waited_on_for_
     # 13 blocks to free: 2.6 s at the rate seen (1.9 s at the margin's faster rate): refused as it arrives.
     with pytest.raises(errors.QueueTimeoutExpected) as caught:
         await rig.req(8).__aenter__()
-    assert "Expected wait 3 s for KV capacity exceeds the queue timeout of 2 s" in caught.value.message
+    assert "Expected wait 2.6 s for KV capacity exceeds 80% of the queue timeout of 2 s" in caught.value.message
     assert rig.adm.queued == 1
     await finish(rig, running, task)
 
@@ -135,11 +135,11 @@ async def test_an_arriving_request_is_judged_at_the_rate_seen_not_waited_on_for_
 async def test_a_request_whose_wait_grew_past_what_is_left_learns_it_then() -> None:
     rig = Rig(queue_timeout=2.0, admission_policy="strict")  # arrival order
     running, _, task = await steady(rig, 36)
-    # 9 blocks to free: 1.8 s at the rate seen: queued.
-    stalled = enter(rig.req(4))
+    # 8 blocks to free: 1.6 s at the rate seen, 80% of the timeout: queued.
+    stalled = enter(rig.req(3))
     await settle()
     assert rig.adm.queued == 2
-    rig.clock.now += 0.5  # no release meanwhile: 1.5 s left, 1.3 s at the margin's rate: kept, as it is not sure
+    rig.clock.now += 0.5  # no release meanwhile: 1.5 s left, 1.2 s at the margin's rate: kept, as it is not sure
     rig.adm.tick()
     await settle()
     assert rig.adm.queued == 2
@@ -147,7 +147,7 @@ async def test_a_request_whose_wait_grew_past_what_is_left_learns_it_then() -> N
     rig.adm.tick()
     with pytest.raises(errors.QueueTimeoutExpected) as caught:
         await stalled
-    assert "Expected wait 2 s for KV capacity exceeds the 1.0 s left of the 2 s queue timeout" in caught.value.message
+    assert "Expected wait 1.6 s for KV capacity exceeds the 1.0 s left of the 2 s queue timeout" in caught.value.message
     assert rig.adm.queued == 1  # the request ahead of it still makes it: kept
     await finish(rig, running, task)
 
