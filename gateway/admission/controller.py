@@ -63,6 +63,7 @@ class Admission:
         self._timer = DeadlineTimer(self._queue, self._pump, clock=clock, sleep=sleep)
         self._in_flight: dict[Reservation, Site] = {}
         self._paused = False
+        self._moved = True  # the books or the engine moved since the last pass (``_pump``)
         self._idle = asyncio.Event()
         self._idle.set()
         self._drain = Drain()
@@ -269,9 +270,15 @@ class Admission:
         """Expire, then admit from the queue as far as the policy allows; refuse what is forecast to miss its
         deadline (``arriving``, the request just queued, at the rate seen: ``forecast``)."""
         self._expire()
-        for site in self._sites:
-            site.policy.begin_pass()
-        self._capacity()
+        self._capacity()  # first: a rebase moves every need
+        if arriving is None or self._moved:
+            # Only an arrival's pass keeps the projection of the pass before it: an arrival moves nothing it reads
+            # (releases, snapshots, resumes and rebases come with passes of their own), and at twice capacity the
+            # projections of arrivals' passes took a tenth of the gateway's loop. The requests' progress since is
+            # the one thing it misses, until the next release or snapshot.
+            for site in self._sites:
+                site.policy.begin_pass()
+            self._moved = False
         if not self._paused:
             largest = self._sites.largest()
             if self._sharing and len(self._sites) == 1:
@@ -363,6 +370,7 @@ class Admission:
         """Recount every need (the engine published another block size than assumed, or (re)started with prefix
         caching switched): each admitted request gives back its shared blocks and takes them again as recounted."""
         self._block_size, self._sharing = block_size, sharing
+        self._moved = True
         for r, site in self._in_flight.items():
             site.books.recount(r, block_size, sharing)
         for r in self._queue:

@@ -58,6 +58,7 @@ def request_curve(r: Booked, block_size: int, outlook: Outlook) -> RequestCurve:
     var: list[float] = []
     size = 0
     p = 1.0
+    prompt = max(0, prompt)
     for i, s in enumerate(OFFSETS):
         if i > 0:
             p = 1.0 if alive is None else alive[i - 1]
@@ -67,7 +68,10 @@ def request_curve(r: Booked, block_size: int, outlook: Outlook) -> RequestCurve:
                 mean.extend([p * size] * rest)
                 var.extend([p * (1 - p) * size * size] * rest)
                 break
-        size = prefix + own_blocks(prompt, min(cap, per_sequence + s), n, block_size, shared)
+        # ``own_blocks(prompt, min(cap, per_sequence + s), n, block_size, shared)``, inlined: this loop runs for
+        # every request in flight on every pass over the queue (a fifth of the gateway's loop at 48 streams/s).
+        tokens = prompt + max(0, min(cap, per_sequence + s))
+        size = prefix + n * max(0, -(-tokens // block_size) - shared)
         mean.append(p * size)
         var.append(p * (1 - p) * size * size)
     return RequestCurve(mean, var, full)

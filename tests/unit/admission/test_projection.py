@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
+from gateway.admission import policy as policy_module
+from gateway.admission.curve import UsageCurve, usage_curve
 from gateway.admission.projection import Outlook, Projector, credited_progress
 from gateway.engine.live import never_scraped
 from tests.unit.admission.booked import Booked
@@ -26,6 +29,36 @@ async def test_adaptive_admits_past_the_ledger_when_requests_stop_early(policy: 
         assert rig.adm.committed == 150
         assert status["admit_limit_blocks"] > status["budget_blocks"] == 100
     await release_all(rig, running + extra, tasks)
+
+
+async def test_an_arrival_reuses_the_projection_that_a_release_or_a_snapshot_redoes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    rig, running = await adaptive_rig_with_short_outputs()
+    rig.clock.now += 0.1
+    await rig.scrape(0.95)  # the engine nearly full: arrivals wait
+    extra = [rig.req(10) for _ in range(10)]
+    tasks = [enter(r) for r in extra]
+    await settle()
+    queued = rig.adm.queued
+    assert 0 < queued < 10
+    projections: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> UsageCurve:
+        projections.append(1)
+        return usage_curve(*args, **kwargs)
+
+    monkeypatch.setattr(policy_module, "usage_curve", counted)
+    later = [rig.req(10) for _ in range(3)]
+    tasks += [enter(r) for r in later]
+    await settle()
+    assert rig.adm.queued == queued + 3 and projections == []  # three arrivals, nothing moved: the projection kept
+    running.pop().release()
+    assert len(projections) == 1  # a release moves the books: projected again
+    rig.clock.now += 0.1
+    await rig.scrape(0.10)
+    assert len(projections) > 1  # a snapshot moves the engine: projected again (and for the gauges)
+    await release_all(rig, running + extra + later, tasks)
 
 
 async def test_adaptive_backs_off_on_preemptions_past_the_budget_and_recovers_additively() -> None:

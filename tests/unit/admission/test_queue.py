@@ -7,7 +7,7 @@ import pytest
 
 from gateway import errors
 from gateway.admission import Reservation
-from gateway.admission.queue import Drain, WaitQueue
+from gateway.admission.queue import PASSERS_TRIED, Drain, WaitQueue
 from gateway.http.errors import error_headers, status_and_type
 from tests.unit.admission.rig import BS, Rig, enter, settle
 
@@ -287,6 +287,25 @@ def test_pick_lets_smaller_requests_pass_a_blocked_head_up_to_the_bound() -> Non
     queue.remove(big)
     assert queue.pick(lambda item: False) is None
     assert WaitQueue[Item](starvation_bound=0).pick(fits) is None
+
+
+def test_a_pass_tries_only_the_first_smaller_requests_behind_a_blocked_head() -> None:
+    queue: WaitQueue[Item] = WaitQueue(starvation_bound=8)
+    head = Item("head", blocks=8)
+    queue.push(head, 0.0, 100.0)
+    smaller = [Item(f"small{i}", blocks=2) for i in range(PASSERS_TRIED)]
+    for at, item in enumerate([*smaller, Item("larger", blocks=9), Item("last", blocks=1)], start=1):
+        queue.push(item, float(at), 100.0)
+    tried: list[str] = []
+
+    def fits(item: Item) -> bool:
+        tried.append(item.name)
+        return item.name == "last"
+
+    assert queue.pick(fits) is None  # "last" fits, but comes after the requests a pass tries
+    assert tried == ["head", *(i.name for i in smaller)]
+    queue.remove(smaller[0])
+    assert queue.pick(fits) is not None and tried[-1] == "last"  # one place further up: now within reach
 
 
 def test_drain_rate_and_retry_after_read_the_last_minute_without_changing_it() -> None:
