@@ -2,9 +2,9 @@
 
 Capacity comes back as admitted requests end. The forecast counts the blocks the books free per second of
 *backlog*, time during which requests waited while others ran (time without a queue is left out: the engine was
-not the limit then, and counting it would make capacity look scarcer than it is), over the last minute of
-releases. A queued request goes once the blocks freed cover what waits ahead of it and its own need, less the
-blocks free now:
+not the limit then, and counting it would make capacity look scarcer than it is), over the releases of the last
+minute of backlog (an idle spell between two bursts keeps the rate seen before it). A queued request goes once
+the blocks freed cover what waits ahead of it and its own need, less the blocks free now:
 
     expected wait = max(0, blocks ahead + own blocks - free blocks) / blocks freed per second
 
@@ -119,7 +119,11 @@ class ReleaseRate:
         return self._backlog_total + (now - self._since if self._since is not None else 0.0)
 
     def _prune(self, now: float) -> None:
-        while self._releases and self._releases[0].at < now - self._window:
+        # The window is one of backlog time, as the rate is: an idle spell keeps the rate seen before it, so that
+        # the first requests of the next burst are judged by it rather than all queued while nothing is known
+        # (the sustained overload's runs, a minute apart, each began with 100-220 refusals 1-5 s late).
+        since = self._clock(now) - self._window
+        while self._releases and self._releases[0].backlog < since:
             self._blocks -= self._releases.popleft().blocks
 
 

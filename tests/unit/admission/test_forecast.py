@@ -53,6 +53,10 @@ def backlog(*items: Item, deadline: float, lane: str = "", share: float = 1.0) -
         pytest.param(
             [(0, "on"), (0, 9), (1, 9), (70, 1), (72, 1)], (0.5, 2), id="releases older than the window drop out"
         ),
+        pytest.param(
+            [(0, "on"), (0, 4), (1, 4), (2, 4), (2, "off"), (500, "on"), (501, 4)], (4.0, 4),
+            id="an idle spell keeps the rate seen before it",
+        ),
     ],
 )
 def test_the_release_rate_counts_blocks_per_second_of_backlog(
