@@ -121,7 +121,7 @@ class ReleaseRate:
     def _prune(self, now: float) -> None:
         # The window is one of backlog time, as the rate is: an idle spell keeps the rate seen before it, so that
         # the first requests of the next burst are judged by it rather than all queued while nothing is known
-        # (the sustained overload's runs, a minute apart, each began with 100-220 refusals 1-5 s late).
+        # (in one three-run sustained overload, two runs began with 111 and 220 refusals 1-5 s late).
         since = self._clock(now) - self._window
         while self._releases and self._releases[0].backlog < since:
             self._blocks -= self._releases.popleft().blocks
