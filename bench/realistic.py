@@ -18,13 +18,15 @@ Targets: ``direct`` (vLLM), ``watermark`` (a second vLLM with ``--watermark 0.05
 instead of a gateway), ``strict`` (the gateway with ``--admission-policy strict``) and ``default`` (the gateway as
 it starts without a policy flag; ``--gateway-src`` runs a checkout of one commit instead of this tree), and
 ``before``: the default policy of another commit (``--baseline-src``), beside it; the gateways front the first
-vLLM. Every run of a load draws one plan of arrivals and lengths; each target gets that plan with words of its
-own, so no target finds another's prompts in the prefix cache; the targets take turns, the order rotating from
-run to run. Reported: medians over the runs
-and the median of the per-run ratios to direct: output tokens/s, mean and p99 TTFT, goodput (requests completed
-with TTFT within the objective, per second), completed within the objective, preemptions (the engine's
-``vllm:num_preemptions_total`` delta), refused (429/503), client timeouts; a picture per load of each request's
-TTFT over the first run.
+vLLM. ``busy`` (only when asked for) is vLLM alone beside a process spinning ``--busy-cores`` of one core at
+niceness 0, as much CPU as a gateway takes: what the gateway's CPU alone costs an engine it shares the cores with
+(its CPU is shown as the gateway's). Every run of a load draws one plan of arrivals and lengths; each target gets
+that plan with words of its own, so no target finds another's prompts in the prefix cache; the targets take
+turns, the order rotating from run to run. Reported: medians over the runs and the median of the per-run ratios
+to direct: output tokens/s, mean and p99 TTFT, goodput (requests completed with TTFT within the objective, per
+second), completed within the objective, preemptions (the engine's ``vllm:num_preemptions_total`` delta),
+refused (429/503), client timeouts, the CPU time of the engine, the gateway and the client, and the cores they
+kept busy together; a picture per load of each request's TTFT over the first run.
 
     .venv/bin/python bench/realistic.py --find-capacity 0.5,1,1.5,2,3
     .venv/bin/python bench/realistic.py --rate 1.5 --workload capacity --workload double
@@ -47,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,7 +95,21 @@ TARGETS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "default": ("direct", ()),
     # The default policy of another commit (--baseline-src): the policy before a change, run beside it.
     "before": ("direct", ()),
+    # vLLM alone beside a process that keeps --busy-cores of the CPU busy, as a gateway's relaying does: what
+    # the gateway's CPU alone costs an engine that shares the machine's cores with it.
+    "busy": ("direct", None),
 }
+BUSY_PERIOD_S = 0.01
+# Spins for its share of each period and sleeps the rest, at the niceness a gateway runs at (0).
+BUSY_CODE = """
+import time
+share, period = {share!r}, {period!r}
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < share * period:
+        pass
+    time.sleep(max(0.0, period - (time.perf_counter() - start)))
+"""
 
 
 @dataclass(frozen=True)
@@ -146,6 +162,8 @@ class Bench:
     client: str
     objective: float
     model: Path
+    busy_cores: float = 0.0  # what target ``busy``'s spinning process takes of one core
+    busy_cpu_s: float = 0.0  # and what it took in the last run
     # Refusals the gateways counted (vllm_guard_rejections_total), by (target, load rate) then reason.
     reasons: dict[str, Counter[str]] = field(default_factory=dict)
 
@@ -171,15 +189,17 @@ class Bench:
         base = self.base(target, load.objective_flag)
         refused_before = gateway_refusals(base) if TARGETS[target][1] is not None else {}
         gateway = self.gateways[(target, load.objective_flag)] if TARGETS[target][1] is not None else None
-        cpu_before = (cpu_seconds(engine), cpu_seconds(gateway))
-        if self.client == "vllm":
-            outcomes = asyncio.run(run_vllm_bench(base, plans, texts, self.eos_id, load.read_timeout_s,
-                                                  str(self.model)))
-        else:
-            outcomes = asyncio.run(CLIENTS[self.client](base, plans, texts, self.eos_id, load.read_timeout_s))
+        cpu_before = (cpu_seconds(engine), cpu_seconds(gateway), client_cpu_seconds())
+        with self._busy(target == "busy"):
+            if self.client == "vllm":
+                outcomes = asyncio.run(run_vllm_bench(base, plans, texts, self.eos_id, load.read_timeout_s,
+                                                      str(self.model)))
+            else:
+                outcomes = asyncio.run(CLIENTS[self.client](base, plans, texts, self.eos_id, load.read_timeout_s))
         wait_idle(engine)
         preempted = scrape_counter(f"{engine.url}/metrics", PREEMPTIONS) - before
-        cpu = (cpu_seconds(engine) - cpu_before[0], cpu_seconds(gateway) - cpu_before[1])
+        taken = self.busy_cpu_s if target == "busy" else cpu_seconds(gateway) - cpu_before[1]
+        cpu = (cpu_seconds(engine) - cpu_before[0], taken, client_cpu_seconds() - cpu_before[2])
         if TARGETS[target][1] is not None:
             counted = self.reasons.setdefault(f"{target} at {rate * load.rate_factor:g}/s", Counter())
             for reason, value in gateway_refusals(base).items():
@@ -188,6 +208,30 @@ class Bench:
         if errors:
             print(f"realistic: {target}: errors seen: {errors[:3]}", file=sys.stderr)
         return figures(outcomes, self.objective, preempted, cpu), outcomes
+
+
+    @contextlib.contextmanager
+    def _busy(self, wanted: bool) -> Iterator[None]:
+        """While the run's requests are sent and answered: a process spinning ``busy_cores`` of a core."""
+        if not wanted:
+            yield
+            return
+        code = BUSY_CODE.format(share=min(1.0, self.busy_cores), period=BUSY_PERIOD_S)
+        spinner = subprocess.Popen([sys.executable, "-c", code])
+        try:
+            yield
+        finally:
+            with contextlib.suppress(psutil.Error):
+                times = psutil.Process(spinner.pid).cpu_times()
+                self.busy_cpu_s = times.user + times.system
+            spinner.kill()
+            spinner.wait()
+
+
+def client_cpu_seconds() -> float:
+    """User and system CPU time of this process (the client, every thread), so far."""
+    times = psutil.Process().cpu_times()
+    return float(times.user + times.system)
 
 
 def cpu_seconds(server: ServerProcess | None) -> float:
@@ -232,7 +276,7 @@ def start_servers(args: argparse.Namespace, targets: Sequence[str], loads: Seque
                                     extra_args=extra).start()
     gateways: dict[tuple[str, bool], ServerProcess] = {}
     bench = Bench(engines, gateways, int(eos[0] if isinstance(eos, list) else eos), args.client, args.objective,
-                  model)
+                  model, args.busy_cores)
     for engine in engines.values():
         engine.wait_ready(VLLM_READY_PATHS, 900)
         if args.engine_core_nice is not None and not renice_engine_core(engine, args.engine_core_nice):
@@ -324,12 +368,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "MiB (64: 512 blocks of 128 tokens); a smaller one makes the cache, not the CPU, bind first")
     parser.add_argument("--engine-core-nice", type=int, default=None, help="run every vLLM's engine core process "
                         "at this niceness (a setting of the host: every target gets it)")
+    parser.add_argument("--busy-cores", type=float, default=0.3, help="what target 'busy' keeps busy beside vLLM "
+                        "alone, of one core (0.3: the default policy's gateway at twice capacity)")
     parser.add_argument("--quick", action="store_true", help="one short run of each load (a smoke test)")
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument("--pictures", type=Path, default=ROOT / "docs" / "img")
     args = parser.parse_args(argv)
     loads = args.workload or list(LOADS)
-    targets = args.target or [t for t in TARGETS if t != "before" or args.baseline_src is not None]
+    targets = args.target or [t for t in TARGETS if t != "busy" and (t != "before" or args.baseline_src is not None)]
     if "direct" not in targets:
         targets.insert(0, "direct")
     if args.quick:

@@ -107,6 +107,14 @@ class Figures:
     refusal_p99_ms: float = math.nan  # from sending to the refusal's answer
     engine_cpu_s: float = 0.0  # CPU time of the engine's processes during the run
     gateway_cpu_s: float = 0.0  # and of the gateway's (0 for direct targets)
+    client_cpu_s: float = 0.0  # and of the client (the benchmark's own process)
+    wall_s: float = 0.0  # from the start to the last answer
+
+    @property
+    def cores_busy(self) -> float:
+        """The three together over the run's wall time: near the machine's cores, the run was CPU-bound, and what
+        one of them takes the others did not get."""
+        return (self.engine_cpu_s + self.gateway_cpu_s + self.client_cpu_s) / self.wall_s if self.wall_s else 0.0
 
 
 def nearest_rank(values: Sequence[float], q: float) -> float:
@@ -117,7 +125,7 @@ def nearest_rank(values: Sequence[float], q: float) -> float:
 
 
 def figures(outcomes: Sequence[Outcome], objective: float, preemptions: float = 0.0,
-            cpu: tuple[float, float] = (0.0, 0.0)) -> Figures:
+            cpu: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> Figures:
     """A run's figures; its duration runs from the start to the last answer, refusal or timeout."""
     wall = max((o.end for o in outcomes), default=0.0)
     done = [o for o in outcomes if o.completed]
@@ -134,6 +142,7 @@ def figures(outcomes: Sequence[Outcome], objective: float, preemptions: float = 
         completed=len(done), within=within, refused=refused, timeouts=timeouts,
         failed=len(outcomes) - len(done) - refused - timeouts, preemptions=preemptions,
         refusal_p99_ms=nearest_rank(refusals, 0.99), engine_cpu_s=cpu[0], gateway_cpu_s=cpu[1],
+        client_cpu_s=cpu[2], wall_s=wall,
     )
 
 
@@ -186,16 +195,19 @@ def _ms(rows: Sequence[Figures]) -> str:
 
 
 def _cpu(rows: Sequence[Figures]) -> str:
-    """Median CPU seconds a run took of the engine and of the gateway (they share the machine's cores)."""
+    """Median CPU seconds a run took of the engine, the gateway and the client (they share the machine's cores),
+    and the cores they kept busy together."""
     engine = statistics.median(r.engine_cpu_s for r in rows)
     gateway = statistics.median(r.gateway_cpu_s for r in rows)
-    return f"{engine:.0f} / {gateway:.0f}" if gateway else f"{engine:.0f}"
+    client = statistics.median(r.client_cpu_s for r in rows)
+    busy = statistics.median(r.cores_busy for r in rows)
+    return f"{engine:.0f} / {gateway:.0f} / {client:.0f} | {busy:.2f}"
 
 
 TABLE_HEAD = (
     "| load | target | output tok/s (x direct) | mean TTFT s (x) | p99 TTFT s (x) | goodput /s (x) | completed within "
     "objective | preemptions (all runs) | refused | p99 ms to a refusal | client timeouts | failed | CPU s engine "
-    "/ gateway |\n" + "|" + " --- |" * 14
+    "/ gateway / client | cores busy |\n" + "|" + " --- |" * 15
 )
 
 

@@ -37,7 +37,7 @@ class AdmissionFields(BaseModel):
     placement: Literal["prefix", "headroom"] = Field("prefix", description="Which of several engines that can take a "
         "request gets it: prefix (the one holding or lately holding the longest prefix of its prompt, then the one "
         "with the most free blocks) or headroom (the most free blocks only).")
-    max_queue: int = Field(256, ge=0, description="Requests allowed to wait for capacity; more get 429.")
+    max_queue: int = Field(1024, ge=0, description="Requests allowed to wait for capacity; more get 429.")
     queue_timeout: float = Field(
         30.0, gt=0, description="Seconds a request may wait in the queue before a 503."
     )

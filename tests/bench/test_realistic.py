@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench import plots
+from bench.realistic import BUSY_CODE, BUSY_PERIOD_S, TARGETS
 from bench.realistic_clients import run_aiohttp
 from bench.realistic_load import (
     MAX_TOKENS,
@@ -84,7 +85,7 @@ def test_figures_count_goodput_refusals_and_timeouts() -> None:
         outcome(5.0, None, 0, None, timed_out=True),
         outcome(6.0, None, 0, 500),
     ]
-    fig = figures(outcomes, objective=5.0, preemptions=3, cpu=(40.0, 6.0))
+    fig = figures(outcomes, objective=5.0, preemptions=3, cpu=(26.0, 6.0, 4.0))
     assert fig.tokens_per_s == pytest.approx(300 / 20)
     assert fig.mean_ttft == pytest.approx(11 / 3)
     assert fig.p99_ttft == 7.0
@@ -92,7 +93,8 @@ def test_figures_count_goodput_refusals_and_timeouts() -> None:
     assert (fig.completed, fig.within, fig.refused, fig.timeouts, fig.failed) == (3, 2, 2, 1, 1)
     assert fig.preemptions == 3
     assert fig.refusal_p99_ms == pytest.approx(7000)  # the slower refusal answered 7 s after it was sent
-    assert (fig.engine_cpu_s, fig.gateway_cpu_s) == (40.0, 6.0)
+    assert (fig.engine_cpu_s, fig.gateway_cpu_s, fig.client_cpu_s) == (26.0, 6.0, 4.0)
+    assert fig.cores_busy == pytest.approx(36 / 20)  # engine, gateway and client together over the wall time
 
 
 def run_of(tps: float, ttft: float, goodput: float) -> Figures:
@@ -148,3 +150,9 @@ def test_vllms_client_results_become_outcomes() -> None:
     assert done == Outcome(0.0, 200, 0.3, 120, 2.0) and done.completed
     assert refused.status == 503 and not refused.completed
     assert timed_out.timed_out and timed_out.end == pytest.approx(2.0 + 2.0 + 30.0)
+
+
+def test_the_busy_targets_spinner_is_valid_python_at_any_share() -> None:
+    for share in (0.0, 0.3, 1.0):
+        compile(BUSY_CODE.format(share=share, period=BUSY_PERIOD_S), "<busy>", "exec")
+    assert TARGETS["busy"] == ("direct", None)  # vLLM alone: no gateway in its path
