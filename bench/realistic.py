@@ -209,7 +209,6 @@ class Bench:
             print(f"realistic: {target}: errors seen: {errors[:3]}", file=sys.stderr)
         return figures(outcomes, self.objective, preempted, cpu), outcomes
 
-
     @contextlib.contextmanager
     def _busy(self, wanted: bool) -> Iterator[None]:
         """While the run's requests are sent and answered: a process spinning ``busy_cores`` of a core."""
