@@ -20,14 +20,11 @@ import asyncio
 import contextlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import httpx
 import psutil
@@ -36,9 +33,10 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.overhead import free_port, pinned, wait_http  # noqa: E402
+from bench.overhead import free_port, pinned  # noqa: E402
 from bench.realistic_clients import run_aiohttp  # noqa: E402
 from bench.realistic_load import plan, prompt  # noqa: E402
+from bench.soak import process  # noqa: E402
 
 SIM_CODE = """
 import sys, uvicorn
@@ -140,8 +138,8 @@ def main() -> int:
     sim_url = f"http://127.0.0.1:{sim_port}"
     code = SIM_CODE.format(root=str(ROOT), port=sim_port, token_delay=args.token_delay, tokenizer=str(tok_dir))
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_running([*pinned(0), sys.executable, "-c", code], subprocess.DEVNULL))
-        wait_http(sim_url + "/v1/models", 120)
+        sim_log = stack.enter_context((tmp / "simulator.log").open("wb"))
+        stack.enter_context(process([*pinned(0), sys.executable, "-c", code], sim_url + "/v1/models", sim_log))
         builds: dict[str, tuple[str, int]] = {}
         for name, src in (("now", None), ("before", args.baseline_src)):
             if name == "before" and src is None:
@@ -149,8 +147,8 @@ def main() -> int:
             port = free_port()
             # The access log to a file, as a log shipper's pipe would take it.
             log = stack.enter_context((tmp / f"gateway-{name}.log").open("wb"))
-            proc = stack.enter_context(_running(gateway_argv(src, sim_url, port, tok_dir), log))
-            wait_http(f"http://127.0.0.1:{port}/health", 180)
+            proc = stack.enter_context(process(gateway_argv(src, sim_url, port, tok_dir),
+                                               f"http://127.0.0.1:{port}/health", log))
             builds[name] = (f"http://127.0.0.1:{port}", proc.pid)
         names = list(builds)
         runs: dict[str, list[Run]] = {n: [] for n in names}
@@ -166,19 +164,6 @@ def main() -> int:
                       f"{run.failed} failed", file=sys.stderr)
         print(report(runs, args))
     return 0
-
-
-@contextlib.contextmanager
-def _running(argv: list[str], out: IO[bytes] | int) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(argv, stdout=out, stderr=out if out != subprocess.DEVNULL else None, cwd=ROOT)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _eos_id(tok_dir: Path) -> int:
