@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +60,7 @@ if str(ROOT) not in sys.path:
 import psutil  # noqa: E402 - vLLM requires it; the benchmark runs beside vLLM
 
 from bench import plots  # noqa: E402
+from bench.cpu_share import Spinner, own_cpu_seconds  # noqa: E402
 from bench.prefix_clients import gateway_refusals  # noqa: E402
 from bench.realistic_clients import CLIENTS, run_vllm_bench  # noqa: E402
 from bench.realistic_load import (  # noqa: E402
@@ -99,17 +100,6 @@ TARGETS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     # the gateway's CPU alone costs an engine that shares the machine's cores with it.
     "busy": ("direct", None),
 }
-BUSY_PERIOD_S = 0.01
-# Spins for its share of each period and sleeps the rest, at the niceness a gateway runs at (0).
-BUSY_CODE = """
-import time
-share, period = {share!r}, {period!r}
-while True:
-    start = time.perf_counter()
-    while time.perf_counter() - start < share * period:
-        pass
-    time.sleep(max(0.0, period - (time.perf_counter() - start)))
-"""
 
 
 @dataclass(frozen=True)
@@ -163,7 +153,6 @@ class Bench:
     objective: float
     model: Path
     busy_cores: float = 0.0  # what target ``busy``'s spinning process takes of one core
-    busy_cpu_s: float = 0.0  # and what it took in the last run
     # Refusals the gateways counted (vllm_guard_rejections_total), by (target, load rate) then reason.
     reasons: dict[str, Counter[str]] = field(default_factory=dict)
 
@@ -189,8 +178,9 @@ class Bench:
         base = self.base(target, load.objective_flag)
         refused_before = gateway_refusals(base) if TARGETS[target][1] is not None else {}
         gateway = self.gateways[(target, load.objective_flag)] if TARGETS[target][1] is not None else None
-        cpu_before = (cpu_seconds(engine), cpu_seconds(gateway), client_cpu_seconds())
-        with self._busy(target == "busy"):
+        cpu_before = (cpu_seconds(engine), cpu_seconds(gateway), own_cpu_seconds())
+        spinner = Spinner(self.busy_cores) if target == "busy" else None
+        with spinner if spinner is not None else contextlib.nullcontext():
             if self.client == "vllm":
                 outcomes = asyncio.run(run_vllm_bench(base, plans, texts, self.eos_id, load.read_timeout_s,
                                                       str(self.model)))
@@ -198,8 +188,8 @@ class Bench:
                 outcomes = asyncio.run(CLIENTS[self.client](base, plans, texts, self.eos_id, load.read_timeout_s))
         wait_idle(engine)
         preempted = scrape_counter(f"{engine.url}/metrics", PREEMPTIONS) - before
-        taken = self.busy_cpu_s if target == "busy" else cpu_seconds(gateway) - cpu_before[1]
-        cpu = (cpu_seconds(engine) - cpu_before[0], taken, client_cpu_seconds() - cpu_before[2])
+        taken = spinner.cpu_s if spinner is not None else cpu_seconds(gateway) - cpu_before[1]
+        cpu = (cpu_seconds(engine) - cpu_before[0], taken, own_cpu_seconds() - cpu_before[2])
         if TARGETS[target][1] is not None:
             counted = self.reasons.setdefault(f"{target} at {rate * load.rate_factor:g}/s", Counter())
             for reason, value in gateway_refusals(base).items():
@@ -208,29 +198,6 @@ class Bench:
         if errors:
             print(f"realistic: {target}: errors seen: {errors[:3]}", file=sys.stderr)
         return figures(outcomes, self.objective, preempted, cpu), outcomes
-
-    @contextlib.contextmanager
-    def _busy(self, wanted: bool) -> Iterator[None]:
-        """While the run's requests are sent and answered: a process spinning ``busy_cores`` of a core."""
-        if not wanted:
-            yield
-            return
-        code = BUSY_CODE.format(share=min(1.0, self.busy_cores), period=BUSY_PERIOD_S)
-        spinner = subprocess.Popen([sys.executable, "-c", code])
-        try:
-            yield
-        finally:
-            with contextlib.suppress(psutil.Error):
-                times = psutil.Process(spinner.pid).cpu_times()
-                self.busy_cpu_s = times.user + times.system
-            spinner.kill()
-            spinner.wait()
-
-
-def client_cpu_seconds() -> float:
-    """User and system CPU time of this process (the client, every thread), so far."""
-    times = psutil.Process().cpu_times()
-    return float(times.user + times.system)
 
 
 def cpu_seconds(server: ServerProcess | None) -> float:

@@ -12,7 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench import plots
-from bench.realistic import BUSY_CODE, BUSY_PERIOD_S, TARGETS
+from bench.cpu_share import Spinner
+from bench.realistic import TARGETS
 from bench.realistic_clients import run_aiohttp
 from bench.realistic_load import (
     MAX_TOKENS,
@@ -153,6 +154,6 @@ def test_vllms_client_results_become_outcomes() -> None:
 
 
 def test_the_busy_targets_spinner_is_valid_python_at_any_share() -> None:
-    for share in (0.0, 0.3, 1.0):
-        compile(BUSY_CODE.format(share=share, period=BUSY_PERIOD_S), "<busy>", "exec")
+    for share in (0.0, 0.3, 1.0, 2.0):
+        compile(Spinner(share).code, "<busy>", "exec")
     assert TARGETS["busy"] == ("direct", None)  # vLLM alone: no gateway in its path
