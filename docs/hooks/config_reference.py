@@ -29,6 +29,7 @@ from pydantic.fields import FieldInfo  # noqa: E402
 
 from gateway.cli import _field_flag, build_parser  # noqa: E402
 from gateway.config import ENV_PREFIX, Settings  # noqa: E402
+from gateway.config_managed import MANAGED_HANG_TIMEOUT  # noqa: E402
 
 PAGE = "reference/configuration.md"
 MARKER = "<!-- generated: configuration reference -->"
@@ -38,6 +39,9 @@ OTHER = "Other settings"
 FLAG_MENTION = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*[a-z0-9]")
 # Settings fields that are no flag of their own.
 NOT_FLAGS = {"vllm_args": "-- ARGS..."}
+VLLM_ARGS_KIND = (
+    "arguments after `--` on the command line; one shell-quoted line in the environment; a list in the file"
+)
 
 
 @dataclass
@@ -144,15 +148,13 @@ def _class_title(cls: type) -> str:
 
 def _settings_row(name: str, info: FieldInfo) -> Row:
     flag = NOT_FLAGS.get(name, _field_flag(name))
-    default = info.get_default(call_default_factory=True)
-    if name == "hang_timeout":
-        default_text = f"{_value(default)} (managed mode: see the description)"
-    else:
-        default_text = _value(default)
+    default_text = _value(info.get_default(call_default_factory=True), in_bytes=name.endswith("_bytes"))
+    if name == "hang_timeout":  # the one default that follows another setting
+        default_text += f"; `{MANAGED_HANG_TIMEOUT}` with `--managed`"
     return Row(
         anchor=f"serve-{name.replace('_', '-')}",
         names=[flag, ENV_PREFIX + name.upper(), name],
-        kind=_field_kind(info),
+        kind=VLLM_ARGS_KIND if name == "vllm_args" else _field_kind(info),
         default=default_text,
         help=info.description or "",
     )
@@ -184,14 +186,14 @@ def _bound(meta: Any) -> str:
     return ""
 
 
-def _value(value: Any) -> str:
+def _value(value: Any, *, in_bytes: bool = False) -> str:
     if value is None or value == []:
         return "unset"
     if isinstance(value, list):
         return ", ".join(f"`{v}`" for v in value)
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
-    if isinstance(value, int) and value >= 1024 and value % 1024 == 0:
+    if in_bytes and isinstance(value, int) and value >= 1024 and value % 1024 == 0:
         return f"`{value}` ({_binary(value)})"
     return f"`{value}`"
 

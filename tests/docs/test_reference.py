@@ -70,6 +70,9 @@ def test_settings_are_grouped_as_their_classes_group_them(field: str, group: str
         ("managed", "switch", "`false`"),
         ("max_body_bytes", "int, ≥ 1024", "`8388608` (8 MiB)"),
         ("restart_every", "duration", "unset"),
+        ("fragmentation_growth_mib", "int, ≥ 0", "`2048`"),
+        ("hang_timeout", "float, > 0", "`15.0`; `60.0` with `--managed`"),
+        ("vllm_args", "arguments after `--`", "unset"),
     ],
 )
 def test_a_row_gives_the_type_with_its_bounds_and_the_default(field: str, kind: str, default: str) -> None:
