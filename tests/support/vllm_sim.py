@@ -222,9 +222,9 @@ class _SimApp:
             return self.error(f"The prompt ({max(plan.prompts)} tokens) does not fit into the KV cache "
                               f"({self.sim.capacity_tokens} tokens).", param="input_tokens")
         for i, (ids, max_tokens) in enumerate(zip(plan.prompt_ids, plan.max_tokens, strict=True)):
-            target = self.sim.output_length(request_index, max_tokens, plan.ignore_eos, plan.min_tokens,
-                                            plan.eos_bias)
-            run.seqs += self.sim.submit(ids, plan.n, max_tokens, target, run.on_token, first_index=i * plan.n,
+            targets = [self.sim.output_length(request_index, max_tokens, plan.ignore_eos, plan.min_tokens,
+                                              plan.eos_bias, choice) for choice in range(plan.n)]
+            run.seqs += self.sim.submit(ids, plan.n, max_tokens, targets, run.on_token, first_index=i * plan.n,
                                         lora=plan.lora, cache_salt=plan.cache_salt, rank=rank)
         scope = request.scope
         if plan.stream:
