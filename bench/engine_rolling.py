@@ -171,7 +171,7 @@ def gateway(model: Path, logs: Path, startup_timeout: float) -> ServerProcess:
         *command, "serve", "--managed", "--engine-devices", "0;1", "--model", str(model),
         "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
         # Each engine's OpenMP threads on a core of its own (bench/cpu_engine.py says why).
-        "--vllm-command", f"{sys.executable} {ROOT / 'bench' / 'cpu_engine.py'}",
+        "--vllm-command", f"{sys.executable} {ROOT / 'bench' / 'servers' / 'cpu_engine.py'}",
         "--api-key", KEY, "--admin-api-key", ADMIN,
         "--startup-timeout", str(startup_timeout), "--drain-timeout", "30", "--queue-timeout", "300",
         "--", "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),

@@ -26,11 +26,10 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
-from bench.engines import GROUPS, prefix_groups_args
 from bench.prefix_clients import vllm_bench
+from bench.workloads.prefix_groups import GROUPS, prefix_groups_args
 from tests.e2e.servers import (
     GATEWAY_READY_PATHS,
-    ROOT,
     VLLM_READY_PATHS,
     ServerProcess,
     ensure_tiny_model,
@@ -150,7 +149,7 @@ def measure(servers: Sequence[ServerProcess], argv: list[str]) -> PrefixRun:
 
 def round_robin_server(servers: Sequence[ServerProcess], logs: Path) -> ServerProcess:
     port = free_port()
-    argv = [sys.executable, str(ROOT / "bench" / "round_robin.py"), "--port", str(port), *(s.url for s in servers)]
+    argv = [sys.executable, "-m", "bench.servers.round_robin", "--port", str(port), *(s.url for s in servers)]
     return ServerProcess("round-robin", argv, port, logs / "round_robin.log")
 
 

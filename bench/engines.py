@@ -57,6 +57,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.prefix_clients import gateway_refusals, vllm_bench  # noqa: E402
+from bench.workloads.prefix_groups import GROUPS, prefix_groups_args  # noqa: E402
 from tests.e2e.servers import (  # noqa: E402
     DEFAULT_KV_CACHE_BYTES,
     GATEWAY_READY_PATHS,
@@ -80,7 +81,6 @@ HITS = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 COUNTERS = (PREEMPTED, FINISHED, HITS, QUERIES)
 WORKLOADS = ("flood", "prefix-groups", "servers-prefix", "killed", "frozen", "rolling")
-GROUPS = 2  # prefix groups of the prefix-groups workload
 
 
 @dataclass
@@ -118,20 +118,6 @@ def workload_args(args: argparse.Namespace, model: Path, base: str, seed: int) -
         "--dataset-name", "random", "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts), "--ignore-eos",
         "--percentile-metrics", "ttft", "--metric-percentiles", "99",
-    ]  # fmt: skip
-
-
-def prefix_groups_args(args: argparse.Namespace, model: Path, base: str, seed: int) -> list[str]:
-    """Two shared prefixes, each in half the requests; the seed draws new prefixes, so no run hits the last's."""
-    return [
-        "--backend", "openai", "--base-url", base, "--endpoint", "/v1/completions", "--model", SERVED_MODEL_NAME,
-        "--tokenizer", str(model), "--seed", str(seed), "--request-rate", "inf", "--disable-tqdm",
-        "--max-concurrency", str(args.max_concurrency), "--dataset-name", "prefix_repetition",
-        "--prefix-repetition-prefix-len", str(args.prefix_len),
-        "--prefix-repetition-suffix-len", str(args.suffix_len),
-        "--prefix-repetition-num-prefixes", str(GROUPS),
-        "--prefix-repetition-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-        "--ignore-eos", "--percentile-metrics", "ttft", "--metric-percentiles", "99",
     ]  # fmt: skip
 
 

@@ -50,8 +50,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.flood_client import Outcome, Workload, build_workloads, flood  # noqa: E402
-from bench.plots import ColumnBars, Timeline, flood_figure, unavailable  # noqa: E402
-from bench.timeline import MetricsSampler  # noqa: E402
+from bench.harness.plots import ColumnBars, Timeline, flood_figure, unavailable  # noqa: E402
+from bench.harness.timeline import MetricsSampler  # noqa: E402
 from tests.e2e.servers import (  # noqa: E402
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_MODEL_LEN,

@@ -59,8 +59,8 @@ if str(ROOT) not in sys.path:
 
 import psutil  # noqa: E402 - vLLM requires it; the benchmark runs beside vLLM
 
-from bench import plots  # noqa: E402
 from bench.cpu_share import Spinner, own_cpu_seconds  # noqa: E402
+from bench.harness import plots  # noqa: E402
 from bench.prefix_clients import gateway_refusals  # noqa: E402
 from bench.realistic_clients import CLIENTS, run_vllm_bench  # noqa: E402
 from bench.realistic_load import (  # noqa: E402

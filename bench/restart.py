@@ -31,7 +31,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.plots import RequestMark, restart_figure, unavailable  # noqa: E402
+from bench.harness.plots import RequestMark, restart_figure, unavailable  # noqa: E402
 from tests.e2e.servers import (  # noqa: E402
     DEFAULT_KV_CACHE_BYTES,
     DEFAULT_MAX_MODEL_LEN,

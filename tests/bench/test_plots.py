@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import plots
 from bench.flood import Column, Target, markdown_table
 from bench.flood_client import Outcome, build_workloads, flood
-from bench.timeline import MetricsSampler
+from bench.harness import plots
+from bench.harness.timeline import MetricsSampler
 from tests.support.vllm_sim import SimConfig, run_sim_server
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from bench import plots
 from bench.cpu_share import Spinner
+from bench.harness import plots
 from bench.realistic import TARGETS
 from bench.realistic_clients import run_aiohttp
 from bench.realistic_load import (

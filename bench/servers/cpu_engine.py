@@ -6,7 +6,7 @@ machine, an engine restarted while the other serves then starts on a core the ot
 worker did not finish starting in 400 s in a trial here. Given a core each, it starts as fast as the first time.
 
     vllm-guard serve --managed --managed-engines 2 --engine-devices "0;1" \\
-        --vllm-command "python bench/cpu_engine.py" --model M ...
+        --vllm-command "python bench/servers/cpu_engine.py" --model M ...
 """
 
 from __future__ import annotations

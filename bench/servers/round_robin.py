@@ -1,8 +1,8 @@
 """A round-robin HTTP forwarder: each POST goes to the next of its upstreams in turn and its answer is streamed
-back as it comes. The baseline of ``bench/engines.py --workload servers-prefix``: placement that ignores prompts,
+back as it comes. The baseline of ``python -m bench run servers-prefix``: placement that ignores prompts,
 behind one proxy hop in its own process, as the gateway is.
 
-    .venv/bin/python bench/round_robin.py --port 8100 http://127.0.0.1:8000 http://127.0.0.1:8001
+    python -m bench.servers.round_robin --port 8100 http://127.0.0.1:8000 http://127.0.0.1:8001
 """
 
 from __future__ import annotations
