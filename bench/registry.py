@@ -9,6 +9,20 @@ MODULES = {
     "overhead": "bench.benchmarks.overhead",
     "relay": "bench.benchmarks.relay",
     "fake-engine": "bench.benchmarks.fake_engine",
+    "realistic": "bench.benchmarks.realistic",
+    "prefix": "bench.benchmarks.prefix",
+    "flood": "bench.benchmarks.flood",
+    "engines": "bench.benchmarks.engines",
+    "servers-prefix": "bench.benchmarks.servers_prefix",
+    "faults": "bench.benchmarks.faults",
+    "rolling": "bench.benchmarks.rolling",
+    "tenants": "bench.benchmarks.tenants",
+    "restart": "bench.benchmarks.restart",
+    "soak": "bench.benchmarks.soak",
+    "counting": "bench.benchmarks.counting",
+    "trace": "bench.benchmarks.trace",
+    "http-clients": "bench.benchmarks.http_clients",
+    "gpu-check": "bench.benchmarks.gpu_check",
 }
 
 

@@ -33,10 +33,14 @@ class Cores:
     client: str | None
 
     @staticmethod
-    def default(proxy: str | None = None, engine: str | None = None, client: str | None = None) -> Cores:
-        """The proxy alone on core 1, the engine and the client on core 0, on a machine of two cores or more."""
+    def default(proxy: str | None = None, engine: str | None = None, client: str | None = None,
+                pin: bool = True) -> Cores:
+        """The proxy alone on core 1, the engine and the client on core 0, on a machine of two cores or more;
+        without ``pin`` (benchmarks of a real vLLM, which spreads over the cores) only what was asked for."""
         if len(os.sched_getaffinity(0)) < 2:
             return Cores(None, None, None)
+        if not pin:
+            return Cores(proxy, engine, client)
         return Cores(proxy or "1", engine or "0", client or engine or "0")
 
 
@@ -55,8 +59,9 @@ class Context:
         self.stem = stem(self.started, self.source["commit"])
         self.logs = CACHE / "runs" / f"{self.benchmark}-{self.stem}"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.cores = Cores.default(getattr(self.args, "gateway_cpus", None), getattr(self.args, "engine_cpus", None),
-                                   getattr(self.args, "client_cpus", None))
+        a = self.args
+        self.cores = Cores.default(getattr(a, "gateway_cpus", None), getattr(a, "engine_cpus", None),
+                                   getattr(a, "client_cpus", None), getattr(a, "pin", True))
 
     @property
     def command(self) -> str:

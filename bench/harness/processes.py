@@ -81,6 +81,12 @@ class Server:
             )  # fmt: skip
         return self
 
+    def restart(self) -> Server:
+        """The same command started again on the same port (after a kill), its log appended to. From the main
+        thread: a server is sent SIGTERM when the thread that started it ends."""
+        self.proc = None
+        return self.start()
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

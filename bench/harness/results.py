@@ -34,6 +34,7 @@ class Measure:
     label: str
     fmt: str = ".2f"
     compare: str = "ratio"  # or "delta" (the difference first), or "none" (counts: no comparison)
+    aggregate: str = "median"  # over the turns; or "sum" (counts of every run), "max" (the worst run's)
 
 
 @dataclass
@@ -57,9 +58,23 @@ class Result:
             "schema": SCHEMA, "benchmark": self.benchmark, "command": self.command, "started": self.started,
             "finished": now_iso(), "source": self.source, "host": self.host, "options": self.options,
             "targets": self.targets, "measures": [asdict(m) for m in self.measures], "references": self.references,
-            "runs": self.runs, "medians": medians(self.runs), "comparisons": comparisons(self.runs, self.references),
+            "runs": self.runs, "medians": aggregated(self.runs, self.measures),
+            "comparisons": comparisons(self.runs, self.references),
             "notes": self.notes, "extra_markdown": self.extra_markdown, "pictures": self.pictures,
         }  # fmt: skip
+
+
+def aggregated(runs: Runs, measures: Sequence[Measure]) -> dict[str, dict[str, float]]:
+    """Each target's figure over its runs: the median, or the sum or the maximum where the measure says so (the
+    key ``medians`` in the JSON holds these)."""
+    out = medians(runs)
+    how = {m.key: m.aggregate for m in measures if m.aggregate != "median"}
+    for target, rows in runs.items():
+        for key, kind in how.items():
+            known = [r[key] for r in rows if key in r and not math.isnan(r[key])]
+            if known:
+                out[target][key] = sum(known) if kind == "sum" else max(known)
+    return out
 
 
 def now_iso() -> str:

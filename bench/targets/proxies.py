@@ -4,6 +4,7 @@ vLLM project's Rust router, from PyPI, in a virtual environment of its own), and
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import subprocess
 import sys
@@ -48,6 +49,20 @@ def source_at(commit: str, cache: Path = CACHE) -> tuple[Path, str]:
         shutil.rmtree(where, ignore_errors=True)
         staging.rename(where)
     return where, sha[:7]
+
+
+def gateway_argv(commit: str | None) -> tuple[list[str], Path]:
+    """The command that runs ``vllm-guard`` of this tree or of ``commit``, and the directory to run it in."""
+    src = ROOT if commit is None else source_at(commit)[0]
+    return python("gateway.cli"), src
+
+
+def has_flag(commit: str | None, flag: str) -> bool:
+    """Whether the gateway of this tree (None) or of a commit knows ``flag`` (old commits lack newer flags)."""
+    argv, src = gateway_argv(commit)
+    done = subprocess.run([*argv, "serve", "--help"], capture_output=True, text=True, timeout=120, check=False,
+                          cwd=src, env={**os.environ, "PYTHONPATH": str(src)})
+    return flag in done.stdout
 
 
 def gateway(ctx: Context, name: str, upstreams: Sequence[Target], *, flags: Sequence[str] = (),
@@ -105,3 +120,22 @@ def round_robin(ctx: Context, name: str, upstreams: Sequence[Target], *, cpus: s
     argv = python("bench.servers.round_robin", "--port", str(port), *(u.url for u in upstreams))
     server = Server(name, argv, port, ctx.log_path(name), cpus=cpus)
     return Target(name, "round-robin", server, upstreams=list(upstreams), ready_paths=("/health",), ready_timeout=60)
+
+
+def engine_states(gateway: Target, key: str | None = None) -> list[str]:
+    """Each engine's state in the gateway's ``/guard/status`` (``ready``, ``down``, ``hung``...)."""
+    from bench.harness.scrape import get_json
+
+    headers = {"authorization": f"Bearer {key}"} if key else None
+    return [str(row["state"]) for row in get_json(f"{gateway.url}/guard/status", headers=headers)["engines"]]
+
+
+def wait_engines_ready(gateway: Target, count: int, timeout_s: float = 120.0) -> None:
+    """Until the gateway says ``count`` engines, each ready."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (states := engine_states(gateway)) != ["ready"] * count:
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"{gateway.name}'s engines are {states} after {timeout_s:.0f} s, not {count} ready")
+        time.sleep(0.5)

@@ -75,3 +75,10 @@ def test_the_markdown_says_the_command_the_date_and_the_commit_measured(tmp_path
 
 def test_a_stem_sorts_by_time() -> None:
     assert stem("2026-11-28T04:14:59Z", "abc1234") < stem("2026-11-28T10:00:00Z", "0000000")
+
+
+def test_counts_are_summed_over_the_runs_and_worst_cases_taken_at_their_worst(tmp_path: Path) -> None:
+    r = result(engine=[{"errors": 1.0, "p99": 3.0}, {"errors": 2.0, "p99": 9.0}, {"errors": 0.0, "p99": 4.0}])
+    r.measures = [Measure("errors", "errors", ".0f", "none", "sum"), Measure("p99", "p99", ".1f", "ratio", "max")]
+    data = load(write(r, tmp_path)[0])
+    assert data["medians"]["engine"] == {"errors": 3.0, "p99": 9.0}
