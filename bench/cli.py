@@ -81,11 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     mod = registry.module(args.benchmark)
     args.targets = chosen_targets(args, mod.DEFAULT_TARGETS)
     with Context(args.benchmark, args, argv, out_dir=args.out) as ctx:
+        if args.no_save:
+            ctx.out_dir = ctx.logs  # its pictures beside its logs, not among the results
         result = mod.run(ctx)
     if args.no_save:
         from bench.harness.results import markdown
 
         print(markdown(result.to_json()))
+        print(f"logs and pictures: {ctx.logs}", file=sys.stderr)
         return 0
     path, text = write(result, args.out)
     print(text)

@@ -121,6 +121,8 @@ def picture(ctx: Context, workload: Workload, columns: list[Column]) -> str:
 def run(ctx: Context) -> Result:
     args = ctx.args
     targets = list(args.targets)
+    if "direct" not in targets:
+        targets.insert(0, "direct")
     workloads = build_workloads(args.workload or ["full", "early"], args.requests, args.prompt_tokens,
                                 args.max_tokens, args.seed)
     model = engines.tiny_model()

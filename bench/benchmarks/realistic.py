@@ -23,7 +23,8 @@ of a gateway), ``strict`` (the gateway with ``--admission-policy strict``), ``de
 without a policy flag; ``--gateway-commit`` runs a commit's instead of this tree's), ``baseline`` (the default
 policy at ``--baseline-commit``), ``busy`` (only when asked for: vLLM alone beside a process spinning
 ``--busy-cores`` of one core, what the gateway's CPU alone costs an engine it shares the cores with), and each
-``--variant NAME=COMMIT[::FLAG,FLAG]`` (a gateway at a commit, ``.`` for this tree, with flags). The gateways
+``--variant NAME=COMMIT[::FLAG,FLAG][@nice=N|@batch|@cpus=LIST]`` (a gateway at a commit, ``.`` for this tree,
+with flags; after ``@`` how its threads run: at a niceness, under ``SCHED_BATCH``, on given cores). The gateways
 front the first vLLM. Every run of a load draws one plan of arrivals and lengths; each target gets that plan with
 words of its own, so none finds another's prompts in the prefix cache; the order rotates from turn to turn.
 
@@ -41,11 +42,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
 
 from bench.benchmarks.realistic_run import LOADS, Bench, Load, picture, quick_loads
 from bench.harness.context import Context
 from bench.harness.pairing import in_turns
+from bench.harness.processes import cpu_list
 from bench.harness.results import Measure, Result
 from bench.harness.target import Target
 from bench.targets import engines, proxies
@@ -71,8 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="aiohttp (light), sdk (the OpenAI SDK) or vllm (vLLM's benchmark client)")
     parser.add_argument("--find-capacity", default=None, help="comma-separated rates to try vLLM alone at")
     parser.add_argument("--gateway-commit", default=None, help="run targets strict and default from this commit")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME=COMMIT[::FLAG,FLAG]",
-                        help="a gateway at a commit ('.': this tree) with flags, as target NAME (repeatable)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=COMMIT[::FLAG,FLAG][@MODE]",
+                        help="a gateway at a commit ('.': this tree) with flags, as target NAME (repeatable); MODE: "
+                        "nice=N, batch or cpus=LIST, how its threads run")
+    parser.add_argument("--client-nice", type=int, default=None, help="run the load client (this process) at this "
+                        "niceness once the servers run")
     parser.add_argument("--kv-cache-mib", type=int, default=KV_CACHE_MIB, help="each engine's KV cache, MiB (64: "
                         "512 blocks of 128 tokens); a smaller one makes the cache, not the CPU, bind first")
     parser.add_argument("--engine-core-nice", type=int, default=None, help="run every vLLM's engine core process "
@@ -84,27 +92,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="one short turn of each load (a smoke test)")
 
 
-def variant(spec: str) -> tuple[str, str | None, list[str]]:
-    """``NAME=COMMIT[::FLAG,FLAG]`` as (name, commit or None for this tree, flags)."""
+@dataclass(frozen=True)
+class GatewaySpec:
+    commit: str | None  # None: this tree
+    flags: tuple[str, ...]
+    mode: str = ""  # how its threads run: "nice=N", "batch", "cpus=LIST" or "" (as started)
+
+
+def variant(spec: str) -> tuple[str, GatewaySpec]:
+    """``NAME=COMMIT[::FLAG,FLAG][@MODE]`` as (name, spec)."""
     name, sep, rest = spec.partition("=")
-    if not sep or not name:
-        raise SystemExit(f"realistic: a variant is NAME=COMMIT[::FLAG,FLAG], got {spec!r}")
+    rest, _, mode = rest.partition("@")
+    if not sep or not name or (mode and not re.fullmatch(r"nice=-?\d+|batch|cpus=[\d,-]+", mode)):
+        raise SystemExit(f"realistic: a variant is NAME=COMMIT[::FLAG,FLAG][@nice=N|@batch|@cpus=LIST], got {spec!r}")
     commit, _, flags = rest.partition("::")
-    return name, (None if commit in ("", ".") else commit), [f for f in flags.split(",") if f]
+    return name, GatewaySpec(None if commit in ("", ".") else commit, tuple(f for f in flags.split(",") if f), mode)
 
 
-def gateway_specs(args: argparse.Namespace, targets: list[str]) -> dict[str, tuple[str | None, list[str]]]:
-    """Each gateway target's (commit or None, flags)."""
-    specs: dict[str, tuple[str | None, list[str]]] = {}
+def gateway_specs(args: argparse.Namespace, targets: list[str]) -> dict[str, GatewaySpec]:
+    """Each gateway target's commit, flags and mode."""
+    specs: dict[str, GatewaySpec] = {}
     for t in targets:
         if t in ("strict", "default"):
-            specs[t] = (args.gateway_commit, list(GATEWAY_FLAGS[t]))
+            specs[t] = GatewaySpec(args.gateway_commit, GATEWAY_FLAGS[t])
         elif t == "baseline":
-            specs[t] = (args.baseline_commit, [])
-    for spec in args.variant:
-        name, commit, flags = variant(spec)
-        specs[name] = (commit, flags)
+            specs[t] = GatewaySpec(args.baseline_commit, ())
+    specs.update(variant(v) for v in args.variant)
     return specs
+
+
+def run_as(target: Target, mode: str) -> None:
+    """Every thread of a started gateway at a niceness, under SCHED_BATCH, or on given cores (threads it starts
+    later inherit it)."""
+    kind, _, value = mode.partition("=")
+    for task in Path(f"/proc/{target.pid}/task").iterdir():
+        tid = int(task.name)
+        if kind == "nice":
+            os.setpriority(os.PRIO_PROCESS, tid, int(value))
+        elif kind == "batch":
+            os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        elif kind == "cpus":
+            os.sched_setaffinity(tid, cpu_list(value))
 
 
 def start(ctx: Context, targets: list[str], loads: list[str]) -> Bench:
@@ -121,7 +149,9 @@ def start(ctx: Context, targets: list[str], loads: list[str]) -> Bench:
             raise SystemExit(f"realistic: no engine core process found under {engine.name}'s pid")
     wanted = {LOADS[n].objective_flag for n in loads}
     gateways: list[Target] = []
-    for name, (commit, flags) in gateway_specs(args, targets).items():
+    modes: dict[str, str] = {}
+    for name, spec in gateway_specs(args, targets).items():
+        commit, flags = spec.commit, list(spec.flags)
         variants = wanted if proxies.has_flag(commit, "--ttft-objective") else {False}
         for with_objective in sorted(variants):
             extra = ["--ttft-objective", f"{args.objective:g}"] if with_objective else []
@@ -129,9 +159,17 @@ def start(ctx: Context, targets: list[str], loads: list[str]) -> Bench:
             gw = proxies.gateway(ctx, key, [started["direct"]], flags=[*flags, *extra], commit=commit)
             bench.gateways[(name, with_objective)] = gw
             gateways.append(gw)
+            if spec.mode:
+                modes[key] = spec.mode
         for with_objective in wanted - variants:
             bench.gateways[(name, with_objective)] = bench.gateways[(name, False)]
     ctx.start(*gateways)
+    for gw in gateways:
+        if gw.name in modes:
+            run_as(gw, modes[gw.name])
+            gw.about["mode"] = modes[gw.name]
+    if args.client_nice is not None:  # once the servers run: they would inherit it
+        os.setpriority(os.PRIO_PROCESS, 0, args.client_nice)
     return bench
 
 

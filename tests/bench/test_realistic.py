@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from bench.benchmarks.realistic import TARGETS, gateway_specs, measures, variant
+from bench.benchmarks.realistic import TARGETS, GatewaySpec, gateway_specs, measures, variant
 from bench.harness import plots
 from bench.harness.cpu import Spinner
 from bench.workloads.realistic import (
@@ -106,19 +106,22 @@ def test_a_runs_figures_become_the_harness_figures_of_its_load() -> None:
     assert {k for k in got if k in keys} == set(got)  # every figure is a measure of the table
 
 
-def test_a_variant_names_a_commit_or_this_tree_and_its_flags() -> None:
+def test_a_variant_names_a_commit_or_this_tree_its_flags_and_how_its_threads_run() -> None:
     assert variant("b4=abc123::--preemption-budget=4,--shed-early=off") == (
-        "b4", "abc123", ["--preemption-budget=4", "--shed-early=off"])
-    assert variant("tree=.") == ("tree", None, [])
-    with pytest.raises(SystemExit, match="NAME=COMMIT"):
-        variant("no-name")
+        "b4", GatewaySpec("abc123", ("--preemption-budget=4", "--shed-early=off")))
+    assert variant("tree=.") == ("tree", GatewaySpec(None, ()))
+    assert variant("n10=.@nice=10") == ("n10", GatewaySpec(None, (), "nice=10"))
+    assert variant("b=abc::--x=1@batch") == ("b", GatewaySpec("abc", ("--x=1",), "batch"))
+    for wrong in ("no-name", "x=.@fast"):
+        with pytest.raises(SystemExit, match="NAME=COMMIT"):
+            variant(wrong)
 
 
 def test_the_gateway_targets_run_their_policy_at_their_commit() -> None:
     args = argparse.Namespace(gateway_commit=None, baseline_commit="HEAD~3", variant=["b4=.::--preemption-budget=4"])
     specs = gateway_specs(args, ["direct", "strict", "default", "baseline"])
-    assert specs == {"strict": (None, ["--admission-policy", "strict"]), "default": (None, []),
-                     "baseline": ("HEAD~3", []), "b4": (None, ["--preemption-budget=4"])}
+    assert specs == {"strict": GatewaySpec(None, ("--admission-policy", "strict")), "default": GatewaySpec(None, ()),
+                     "baseline": GatewaySpec("HEAD~3", ()), "b4": GatewaySpec(None, ("--preemption-budget=4",))}
 
 
 def test_capacity_is_the_highest_rate_under_the_bound_below_which_all_were() -> None:
