@@ -54,7 +54,7 @@ from bench.harness.processes import cpu_list
 from bench.harness.results import Measure, Result
 from bench.harness.target import Target
 from bench.targets import engines, proxies
-from bench.workloads.realistic import capacity
+from bench.workloads.realistic import Outcome, capacity
 from bench.workloads.realistic_clients import CLIENTS
 
 SUMMARY = "production-shaped chat streams on a real vLLM: alone, with --watermark, through the gateway's policies"
@@ -207,7 +207,7 @@ def find_capacity(ctx: Context, bench: Bench, rates: list[float], duration_s: fl
     lines = ["| rate /s | mean TTFT s | p99 TTFT s | output tok/s | preemptions |", "|" + " --- |" * 5]
     mean_ttft: dict[float, float] = {}
     for i, rate in enumerate(rates):
-        fig, _ = bench.run("direct", Load(1.0, duration_s, 600.0, False), rate, 9000 + i, 0)
+        fig, _, _ = bench.run("direct", Load(1.0, duration_s, 600.0, False), rate, 9000 + i, 0)
         mean_ttft[rate] = fig.mean_ttft
         runs["direct"][0] |= fig.as_dict(f"r{rate:g}_")
         lines.append(f"| {rate:g} | {fig.mean_ttft:.2f} | {fig.p99_ttft:.2f} | {fig.tokens_per_s:.0f} | "
@@ -236,7 +236,7 @@ def run(ctx: Context) -> Result:
         bench = start(ctx, ["direct"], [])
         return find_capacity(ctx, bench, [float(r) for r in args.find_capacity.split(",")], args.duration or 30.0)
     bench = start(ctx, targets, loads)
-    first: dict[str, dict[str, list]] = {n: {} for n in loads}
+    first: dict[str, dict[str, list[Outcome]]] = {n: {} for n in loads}
     reasons: dict[str, Counter[str]] = {}
     waits: set[str] = set()
 

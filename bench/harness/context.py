@@ -103,7 +103,7 @@ class Context:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        stop_all(reversed(list(self.targets.values())))
+        stop_all(t.server for t in reversed(list(self.targets.values())))
         self.targets.clear()
 
 

@@ -92,10 +92,11 @@ def medians(runs: Mapping[str, Sequence[Figures]]) -> dict[str, Figures]:
     return out
 
 
-def comparisons(runs: Mapping[str, Sequence[Figures]], references: Sequence[str]) -> dict[str, dict[str, dict]]:
+def comparisons(runs: Mapping[str, Sequence[Figures]],
+                references: Sequence[str]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
     """For each target and each reference target present (not itself): per figure, the median of the per-turn
     ratios and differences. ``out[target][reference][key] = {"ratio": r, "delta": d}``."""
-    out: dict[str, dict[str, dict]] = {}
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
     for target, rows in runs.items():
         keys = sorted({k for row in rows for k in row})
         for ref in references:
