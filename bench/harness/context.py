@@ -53,11 +53,12 @@ class Context:
     started: str = field(default_factory=now_iso)
     source: dict[str, str] = field(default_factory=source_facts)
     targets: dict[str, Target] = field(default_factory=dict)
+    cache: Path = CACHE  # logs go under its runs/
     _t0: float = field(default_factory=time.monotonic)
 
     def __post_init__(self) -> None:
         self.stem = stem(self.started, self.source["commit"])
-        self.logs = CACHE / "runs" / f"{self.benchmark}-{self.stem}"
+        self.logs = self.cache / "runs" / f"{self.benchmark}-{self.stem}"
         self.logs.mkdir(parents=True, exist_ok=True)
         a = self.args
         self.cores = Cores.default(getattr(a, "gateway_cpus", None), getattr(a, "engine_cpus", None),
