@@ -137,6 +137,8 @@ def table(data: Mapping[str, Any]) -> str:
     head = ["measure", *targets, *(f"{t} vs {r}" for t, r in pairs)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for m in measures:
+        if all(math.isnan(meds[t].get(m.key, math.nan)) for t in targets):
+            continue  # not measured in this run (a phase or a load left out)
         cells = [m.label, *(fmt(meds[t].get(m.key, math.nan), m.fmt) for t in targets)]
         for t, r in pairs:
             c = comps[t][r].get(m.key, {"ratio": math.nan, "delta": math.nan})

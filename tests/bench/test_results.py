@@ -82,3 +82,9 @@ def test_counts_are_summed_over_the_runs_and_worst_cases_taken_at_their_worst(tm
     r.measures = [Measure("errors", "errors", ".0f", "none", "sum"), Measure("p99", "p99", ".1f", "ratio", "max")]
     data = load(write(r, tmp_path)[0])
     assert data["medians"]["engine"] == {"errors": 3.0, "p99": 9.0}
+
+
+def test_a_measure_no_target_has_a_figure_for_is_left_out_of_the_table(tmp_path: Path) -> None:
+    r = result(engine=[{"p50_ms": 0.2}], gateway=[{"p50_ms": 3.0}])
+    lines = table(load(write(r, tmp_path)[0])).splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| p50 (ms)"]
