@@ -33,6 +33,7 @@ The benchmarks run locally and stay out of CI; `tests/bench/` tests the harness 
 def section(name: str, results: Path, img: Path, page_dir: Path) -> str:
     """One benchmark's section: its latest result, its pictures copied beside the page's images."""
     summary = registry.module(name).SUMMARY if name in registry.MODULES else ""
+    summary = summary[:1].upper() + summary[1:]
     path = latest(name, results)
     if path is None:
         return f"## {name}\n\n{summary}.\n\nNo result yet: `python -m bench run {name}`.\n"
