@@ -96,3 +96,16 @@ def test_each_layer_imports_only_itself_and_the_layers_before_it() -> None:
 def test_the_servers_import_nothing_of_the_harness() -> None:
     wrong = {name: deps for name, deps in graph().items() if layer(name) == "servers" and deps}
     assert wrong == {}
+
+
+def test_no_bench_module_or_function_is_longer_than_the_gateways_may_be() -> None:
+    long = []
+    for name, path in bench_modules().items():
+        source = path.read_text()
+        if len(source.splitlines()) > 400:
+            long.append(f"{name}: {len(source.splitlines())} lines")
+        long += [f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+                 for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None
+                 and node.end_lineno - node.lineno + 1 > 60]  # fmt: skip
+    assert long == []
