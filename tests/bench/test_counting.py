@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.counting import bench_counting
+from bench.workloads.counting import bench_counting
 
 
 def test_bench_counting_reports_each_size(tokenizer: Any) -> None:

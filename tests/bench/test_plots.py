@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench import plots
-from bench.flood import Column, Target, markdown_table
-from bench.flood_client import Outcome, build_workloads, flood
-from bench.timeline import MetricsSampler
+from bench.harness import plots
+from bench.harness.timeline import MetricsSampler
+from bench.workloads.flood import Column, Outcome, build_workloads, flood
 from tests.support.vllm_sim import SimConfig, run_sim_server
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -89,10 +89,13 @@ def test_flood_client_counts_tokens_and_measures_ttft_only_when_streamed(stream:
 
 
 @pytest.mark.parametrize("ttft", [0.5, None], ids=["streamed", "not-streamed"])
-def test_report_table_shows_ttft_rows_only_for_a_streamed_run(ttft: float | None) -> None:
-    column = Column(Target("vLLM direct"), [Outcome(True, 1.0, 10, as_planned=True, ttft_s=ttft)], wall_s=1.0)
-    table = markdown_table([column])
-    assert ("| p50 TTFT (s) | 0.50 |" in table) is (ttft is not None)
+def test_a_runs_ttft_is_known_only_for_a_streamed_run(ttft: float | None) -> None:
+    column = Column("direct", [Outcome(True, 1.0, 10, as_planned=True, ttft_s=ttft),
+                               Outcome(False, 2.0, 0, "HTTP 500")], wall_s=2.0)
+    got = column.as_dict("full_")
+    assert (got["full_p50_ttft_s"] == 0.5) is (ttft is not None)
+    assert math.isnan(got["full_p50_ttft_s"]) is (ttft is None)
+    assert (got["full_failed"], got["full_tokens_per_s"], got["full_as_planned"]) == (1.0, 5.0, 1.0)
 
 
 def test_column_timeline_counts_preemptions_from_the_columns_start() -> None:
@@ -100,7 +103,7 @@ def test_column_timeline_counts_preemptions_from_the_columns_start() -> None:
         (0.0, {"vllm:kv_cache_usage_perc": 0.5, "vllm:num_preemptions_total": 10.0}),
         (0.1, {"vllm:kv_cache_usage_perc": 1.0, "vllm:num_preemptions_total": 12.0}),
     ]
-    column = Column(Target("vLLM direct"), samples=samples, preemptions_before=10.0)
+    column = Column("direct", samples=samples, preemptions_before=10.0)
     line = column.timeline()
     assert (list(line.t), list(line.kv_usage), list(line.preemptions)) == ([0.0, 0.1], [0.5, 1.0], [0.0, 2.0])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import math
 import random
@@ -11,25 +12,22 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from bench import plots
-from bench.cpu_share import Spinner
-from bench.realistic import TARGETS
-from bench.realistic_clients import run_aiohttp
-from bench.realistic_load import (
+from bench.benchmarks.realistic import TARGETS, GatewaySpec, gateway_specs, measures, variant
+from bench.harness import plots
+from bench.harness.cpu import Spinner
+from bench.workloads.realistic import (
     MAX_TOKENS,
     WORDS,
-    Figures,
     Outcome,
     Planned,
     capacity,
     figures,
     length_body,
     lognormal_length,
-    median_ratios,
     plan,
     prompt,
-    table,
 )
+from bench.workloads.realistic_clients import run_aiohttp
 from gateway.tools.tinymodel import build_tokenizer
 from tests.support.vllm_sim import SimConfig, run_sim_server
 
@@ -98,21 +96,32 @@ def test_figures_count_goodput_refusals_and_timeouts() -> None:
     assert fig.cores_busy == pytest.approx(36 / 20)  # engine, gateway and client together over the wall time
 
 
-def run_of(tps: float, ttft: float, goodput: float) -> Figures:
-    return Figures(tps, ttft, ttft * 2, goodput, 10, 9, 0, 0, 0)
+def test_a_runs_figures_become_the_harness_figures_of_its_load() -> None:
+    fig = figures([outcome(0.0, 1.0), outcome(1.0, 7.0, end=20.0)], objective=5.0, cpu=(10.0, 2.0, 1.0))
+    got = fig.as_dict("double_")
+    assert got["double_tokens_per_s"] == pytest.approx(200 / 20) and got["double_within_pct"] == 50.0
+    assert got["double_gateway_cpu_us_token"] == pytest.approx(2.0 * 1e6 / 200)
+    assert got["double_cores_busy"] == pytest.approx(13 / 20)
+    keys = {m.key for m in measures(["double"], split=False, waits=[])}
+    assert {k for k in got if k in keys} == set(got)  # every figure is a measure of the table
 
 
-def test_ratios_are_medians_of_per_run_ratios_not_ratios_of_medians() -> None:
-    runs = {
-        "direct": [run_of(100, 1.0, 1.0), run_of(50, 2.0, 1.0), run_of(200, 1.0, 2.0)],
-        "default": [run_of(110, 0.5, 1.0), run_of(40, 1.0, 2.0), run_of(220, 2.0, 2.0)],
-    }
-    ratios = median_ratios(runs, "default")
-    assert ratios["tokens_per_s"] == pytest.approx(1.1)  # of 1.1, 0.8, 1.1
-    assert ratios["mean_ttft"] == pytest.approx(0.5)  # of 0.5, 0.5, 2.0
-    assert ratios["goodput"] == pytest.approx(1.0)  # of 1.0, 2.0, 1.0
-    row = table("double", runs, ["direct", "default"]).splitlines()[1]
-    assert row.startswith("| double | default | 110 (1.10x) | 1.00 (0.50x) |")
+def test_a_variant_names_a_commit_or_this_tree_its_flags_and_how_its_threads_run() -> None:
+    assert variant("b4=abc123::--preemption-budget=4,--shed-early=off") == (
+        "b4", GatewaySpec("abc123", ("--preemption-budget=4", "--shed-early=off")))
+    assert variant("tree=.") == ("tree", GatewaySpec(None, ()))
+    assert variant("n10=.@nice=10") == ("n10", GatewaySpec(None, (), "nice=10"))
+    assert variant("b=abc::--x=1@batch") == ("b", GatewaySpec("abc", ("--x=1",), "batch"))
+    for wrong in ("no-name", "x=.@fast"):
+        with pytest.raises(SystemExit, match="NAME=COMMIT"):
+            variant(wrong)
+
+
+def test_the_gateway_targets_run_their_policy_at_their_commit() -> None:
+    args = argparse.Namespace(gateway_commit=None, baseline_commit="HEAD~3", variant=["b4=.::--preemption-budget=4"])
+    specs = gateway_specs(args, ["direct", "strict", "default", "baseline"])
+    assert specs == {"strict": GatewaySpec(None, ("--admission-policy", "strict")), "default": GatewaySpec(None, ()),
+                     "baseline": GatewaySpec("HEAD~3", ()), "b4": GatewaySpec(None, ("--preemption-budget=4",))}
 
 
 def test_capacity_is_the_highest_rate_under_the_bound_below_which_all_were() -> None:
@@ -142,7 +151,7 @@ def test_the_ttft_picture_is_a_png(tmp_path: Path) -> None:
 
 
 def test_vllms_client_results_become_outcomes() -> None:
-    from bench.realistic_clients import _vllm_outcome
+    from bench.workloads.realistic_clients import _vllm_outcome
 
     result = {"errors": ["", "Service Unavailable (503)", "TimeoutError: read timeout"], "start_times": [5.0, 6.0, 7.0],
               "latencies": [2.0, 0.01, 30.0], "ttfts": [0.3, 0.0, 0.0], "output_lens": [120, 0, 0]}
@@ -156,4 +165,4 @@ def test_vllms_client_results_become_outcomes() -> None:
 def test_the_busy_targets_spinner_is_valid_python_at_any_share() -> None:
     for share in (0.0, 0.3, 1.0, 2.0):
         compile(Spinner(share).code, "<busy>", "exec")
-    assert TARGETS["busy"] == ("direct", None)  # vLLM alone: no gateway in its path
+    assert "busy" in TARGETS

@@ -3,9 +3,12 @@ apart from both tenants, and the nearest-rank percentiles over a few dozen sampl
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
-from bench.tenants import ENGINE, Answer, Run, nearest_rank
+from bench.benchmarks.tenants import measures
+from bench.workloads.tenants import ENGINE, Answer, Run, nearest_rank
 
 
 def answer(tenant: str, finished: float, ttft: float, tokens: tuple[int, int] = (64, 16)) -> Answer:
@@ -18,11 +21,11 @@ def answer(tenant: str, finished: float, ttft: float, tokens: tuple[int, int] = 
         ([0.1, 0.2, 0.3], 0.50, 0.2),
         ([float(i) for i in range(1, 31)], 0.99, 30.0),  # 30 samples: p99 is the slowest, not past it
         ([float(i) for i in range(1, 31)], 0.50, 15.0),
-        ([], 0.50, None),
     ],
 )
-def test_percentiles_are_taken_by_nearest_rank(ordered: list[float], q: float, expected: float | None) -> None:
+def test_percentiles_are_taken_by_nearest_rank(ordered: list[float], q: float, expected: float) -> None:
     assert nearest_rank(ordered, q) == expected
+    assert math.isnan(nearest_rank([], q))
 
 
 def test_requests_sent_straight_to_the_engine_give_the_floor_and_count_for_no_tenant() -> None:
@@ -40,17 +43,18 @@ def test_requests_sent_straight_to_the_engine_give_the_floor_and_count_for_no_te
         tenants=[],
     )
     figures = run.figures()
-    assert figures["quiet p50 TTFT (s)"] == 0.04
-    assert figures["quiet p50 TTFT straight to vLLM (s)"] == 0.05
-    assert figures["quiet p99 TTFT straight to vLLM (s)"] == 0.30
-    assert figures["quiet requests answered"] == 2.0
+    assert figures["quiet_p50_ttft_s"] == 0.04
+    assert figures["floor_p50_ttft_s"] == 0.05
+    assert figures["floor_p99_ttft_s"] == 0.30
+    assert figures["quiet_answered"] == 2.0
     # Shares and throughput count the two tenants only: the straight requests are the benchmark's probe.
-    assert figures["quiet share of tokens served"] == pytest.approx(160 / (160 + 1024))
-    assert figures["output tokens/s (both tenants)"] == pytest.approx((128 + 16 + 16) / 10.0)
+    assert figures["quiet_share"] == pytest.approx(160 / (160 + 1024))
+    assert figures["tokens_per_s"] == pytest.approx((128 + 16 + 16) / 10.0)
+    assert {m.key for m in measures()} == set(figures)
 
 
 def test_without_the_floor_its_rows_are_empty() -> None:
-    run = Run("FIFO", [answer("quiet", 1.0, 0.02)], window=(0.0, 2.0), idle_ttft_s=0.01, tenants=[])
+    run = Run("fifo", [answer("quiet", 1.0, 0.02)], window=(0.0, 2.0), idle_ttft_s=0.01, tenants=[])
     figures = run.figures()
-    assert figures["quiet p50 TTFT straight to vLLM (s)"] is None
-    assert figures["quiet p99 TTFT straight to vLLM (s)"] is None
+    assert math.isnan(figures["floor_p50_ttft_s"])
+    assert math.isnan(figures["floor_p99_ttft_s"])

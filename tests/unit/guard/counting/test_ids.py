@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from tokenizers import processors
 
-from bench.counting import synthetic_chat
+from bench.workloads.counting import synthetic_chat
 from gateway.guard.counting import LocalCounter, PromptTokens, RemoteCounter, TextCounter
 from gateway.guard.counting.templates import RequestTemplates, TemplateLimits
 from tests.unit.guard.counting.chats import U, reference_ids, turn

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.counting import synthetic_chat
+from bench.workloads.counting import synthetic_chat
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guard.counting import LocalCounter, RemoteCounter
 from tests.unit.guard.counting.chats import ANSWER, CALL, TOOLS, U, reference, turn

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench.counting import synthetic_chat
+from bench.workloads.counting import synthetic_chat
 from gateway.guard.counting import LocalCounter
 from tests.unit.guard.counting.chats import reference
 

@@ -1,0 +1,178 @@
+"""What a proxy adds to short requests: the engine alone, the gateway and vllm-router on the same cores and traffic.
+
+    python -m bench run overhead [--repeat 3] [--seconds 5] [--baseline-commit SHA] [--gateway-arg=--workers=2]
+
+The fast fake engine (``bench.servers.fake_engine``: answers at once) and the load generator (wrk, one thread)
+share core 0; each proxy runs alone on core 1 (``--gateway-cpus`` gives it more). Per turn, each phase runs
+against every target in a rotating order:
+
+- ``c=1``: one short non-streamed chat at a time (a system prompt and a numbered one-word question, ``max_tokens``
+  1): p50 and p99 latency, what the proxy adds to the engine alone's;
+- ``c=64``: the same chats 64 at a time: chats a second and p99;
+- ``health``: ``GET /health`` one at a time: p50;
+- ``streams``: streams of 20 tokens with no delay between them, 16 at a time: streams a second.
+
+Each target's CPU per request (its process and children, every thread, from /proc) and the engine's; the load
+generator's own CPU. Target ``page`` is the gateway measured again with its live page open (``/guard/ui/data``
+polled once a second, as an open page does); ``--engine simulator`` puts the test suite's vLLM simulator behind
+the proxies instead of the fake engine (slower: its own CPU then binds first on the shared core).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+from bench.harness.context import Context
+from bench.harness.pairing import Figures, in_turns
+from bench.harness.results import Measure, Result
+from bench.harness.target import Target
+from bench.targets import engines, proxies
+from bench.workloads import wrk
+from bench.workloads.streams import stream_body
+
+SUMMARY = "added latency, chats/s at 64 concurrent, /health, CPU per request: engine alone, gateway, vllm-router"
+TARGETS = ["engine", "gateway", "router", "page"]
+DEFAULT_TARGETS = ["engine", "gateway", "router"]
+GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
+PHASES = ("c1", "c64", "health", "streams")
+
+MEASURES = [
+    Measure("c1_p50_ms", "one chat at a time: p50 (ms)", ".3f", "delta"),
+    Measure("c1_p99_ms", "one chat at a time: p99 (ms)", ".3f", "delta"),
+    Measure("c64_per_s", "chats/s at 64 concurrent", ".0f"),
+    Measure("c64_p99_ms", "p99 at 64 concurrent (ms)", ".1f", "delta"),
+    Measure("health_p50_ms", "/health one at a time: p50 (ms)", ".3f", "delta"),
+    Measure("streams_per_s", "streams/s (20 tokens, 16 concurrent)", ".0f"),
+    Measure("cpu_us_c1", "target's CPU per chat, c=1 (us)", ".0f"),
+    Measure("cpu_us_c64", "target's CPU per chat, c=64 (us)", ".0f"),
+    Measure("engine_cpu_us_c64", "engine's CPU per chat, c=64 (us)", ".0f"),
+    Measure("cpu_us_stream", "target's CPU per stream (us)", ".0f"),
+    Measure("client_cpu_us_c64", "wrk's CPU per chat, c=64 (us)", ".1f"),
+    Measure("errors", "errors (non-2xx, socket)", ".0f", "none"),
+]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.set_defaults(seconds=5.0)
+    parser.add_argument("--engine", choices=("fake", "simulator"), default="fake",
+                        help="the engine behind every target (default: the fast fake engine)")
+    parser.add_argument("--phase", action="append", choices=PHASES, default=None, help="repeatable; default all")
+
+
+def start_targets(ctx: Context, names: list[str]) -> dict[str, Target]:
+    args = ctx.args
+    if args.engine == "fake":
+        engine = engines.fake(ctx, "engine", token_delay=0.0)
+    else:
+        engine = engines.simulator(ctx, "engine", cpus=ctx.cores.engine)
+    tok = proxies.tokenizer_dir()
+    started = [engine]
+    if {"gateway", "page"} & set(names):
+        started.append(proxies.gateway(ctx, "gateway", [engine], flags=GATEWAY_FLAGS, tokenizer=tok))
+    if "baseline" in names:
+        started.append(proxies.gateway(ctx, "baseline", [engine], flags=GATEWAY_FLAGS, tokenizer=tok,
+                                       commit=args.baseline_commit))
+    if "router" in names:
+        started.append(proxies.router(ctx, "router", [engine]))
+    ctx.start(*started)
+    by_name = {t.name: t for t in started}
+    if "page" in names:
+        by_name["page"] = by_name["gateway"]
+    return by_name
+
+
+@contextmanager
+def page_open(url: str, stop_after_s: float = 600.0) -> Iterator[list[float]]:
+    """Polls ``/guard/ui/data`` once a second in a thread, asking only for new samples, as the page does; yields
+    the sampler's reported cost per one-second sample (ms)."""
+    import httpx
+
+    sampler_ms: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        last = 0
+        with httpx.Client(timeout=5) as client:
+            deadline = time.monotonic() + stop_after_s
+            while not stop.is_set() and time.monotonic() < deadline:
+                body = client.get(url + "/guard/ui/data", params={"since": last} if last else None).json()
+                last = body["last_id"]
+                if body.get("sampler_ms") is not None:
+                    sampler_ms.append(body["sampler_ms"])
+                stop.wait(1.0)
+
+    thread = threading.Thread(target=poll, name="page-poll", daemon=True)
+    thread.start()
+    try:
+        yield sampler_ms
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def phase(ctx: Context, name: str, target: Target, engine: Target, page: bool) -> Figures:
+    """One phase against one target: wrk for its seconds, the target's and the engine's CPU over it."""
+    seconds, cores = ctx.args.seconds, ctx.cores.client
+    url = target.url
+    runs: dict[str, tuple[str, dict[str, Any] | None, int]] = {
+        "c1": (url + "/v1/chat/completions", wrk.SHORT_CHAT, 1),
+        "c64": (url + "/v1/chat/completions", wrk.SHORT_CHAT, 64),
+        "health": (url + "/health", None, 1),
+        "streams": (url + "/v1/chat/completions", stream_body(20, "none", 0.0), 16),
+    }
+    where, body, connections = runs[name]
+    cpu0, eng0 = target.cpu_seconds(), engine.cpu_seconds()
+    with page_open(url) if page else nullcontext():
+        done = wrk.run(where, body, connections, seconds, cores)
+    cpu, eng = target.cpu_seconds() - cpu0, engine.cpu_seconds() - eng0
+    per = (lambda s: s * 1e6 / done.requests) if done.requests else (lambda s: math.nan)
+    out: Figures = {"errors": float(done.errors)}
+    if name == "c1":
+        out |= {"c1_p50_ms": done.p50_ms, "c1_p99_ms": done.p99_ms, "cpu_us_c1": per(cpu)}
+    elif name == "c64":
+        out |= {"c64_per_s": done.per_second, "c64_p99_ms": done.p99_ms, "cpu_us_c64": per(cpu),
+                "engine_cpu_us_c64": per(eng), "client_cpu_us_c64": per(done.cpu_s)}
+    elif name == "health":
+        out |= {"health_p50_ms": done.p50_ms}
+    else:
+        out |= {"streams_per_s": done.per_second, "cpu_us_stream": per(cpu)}
+    return out
+
+
+def run(ctx: Context) -> Result:
+    names = ctx.args.targets
+    targets = start_targets(ctx, names)
+    engine = targets["engine"]
+    phases = ctx.args.phase or list(PHASES)
+    for name in names:  # warm-up: connections, caches, lazy imports
+        wrk.run(targets[name].url + "/v1/chat/completions", wrk.SHORT_CHAT, 4, 1.0, ctx.cores.client)
+
+    def measure(name: str, turn: int) -> Figures:
+        figures: Figures = {}
+        for ph in phases:
+            got = phase(ctx, ph, targets[name], engine, page=name == "page")
+            figures |= {k: v for k, v in got.items() if k != "errors"}
+            figures["errors"] = figures.get("errors", 0.0) + got["errors"]
+        return figures
+
+    def said(name: str, turn: int, f: Figures) -> None:
+        ctx.say(f"turn {turn + 1} {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
+
+    runs = in_turns(names, ctx.args.repeat, measure, said)
+    notes = [f"targets: {describe(targets, names)}",
+             f"cores: proxies {ctx.cores.proxy or 'any'}, engine {ctx.cores.engine or 'any'}, wrk "
+             f"{ctx.cores.client or 'any'}; {ctx.args.seconds:g} s a phase"]  # fmt: skip
+    return ctx.result(MEASURES, runs, ["engine", "router", "baseline", "gateway"], notes=notes)
+
+
+def describe(targets: dict[str, Target], names: list[str]) -> str:
+    words = {"engine": "the fake engine alone" if targets["engine"].kind == "fake" else "the simulator alone",
+             "gateway": "vllm-guard of this tree", "baseline": "vllm-guard at the baseline commit",
+             "router": f"vllm-router {proxies.ROUTER_VERSION}", "page": "the gateway with its live page open"}
+    return "; ".join(f"{n}: {words.get(n, n)}" for n in names)
