@@ -51,6 +51,8 @@ class SimConfig:
     max_num_queued_reqs: int | None = None
     stop_early: Callable[[int, int], int] | None = None
     fault: Fault | None = None
+    # What /metrics answers other than its page (500: an API server whose metrics fail); None: the page.
+    metrics_status: int | None = None
     fault_delay: float = 1.0
     fault_after_chunks: int = 2
     # vLLM refuses tool_choice "auto" unless started with --enable-auto-tool-choice --tool-call-parser.
