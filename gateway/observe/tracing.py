@@ -149,10 +149,16 @@ def tracestate_within(value: str) -> str:
     """``tracestate`` within ``TRACESTATE_CHARS``, whole entries dropped as the spec says when it is longer."""
     if len(value) <= TRACESTATE_CHARS:
         return value
-    entries = [e for e in (e.strip() for e in value.split(",")) if e and len(e) <= _TRACESTATE_ENTRY_CHARS]
-    while entries and len(",".join(entries)) > TRACESTATE_CHARS:
-        entries.pop()
-    return ",".join(entries)
+    kept: list[str] = []
+    size = -1  # the commas between entries: one fewer than the entries
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry or len(entry) > _TRACESTATE_ENTRY_CHARS:
+            continue
+        if size + 1 + len(entry) > TRACESTATE_CHARS:
+            break  # this one and every later one: dropped from the end
+        kept.append(entry)
+        size += 1 + len(entry)
+    return ",".join(kept)
 
 
 def carrier_of(headers: Mapping[str, str]) -> dict[str, str]:
