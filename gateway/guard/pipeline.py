@@ -280,10 +280,11 @@ def refuse_while_unready(parts: Parts) -> None:
     supervisors' (``refuse_while_starting``)."""
     if parts.every_supervisor():
         return
-    engines = parts.every_engine()
-    refusals = [e.refusal() for e in engines]
-    if all(refusals) and refusals[0] is not None:
-        raise refusals[0]
+    first, *_ = engines = parts.every_engine()
+    if not any(e.usable() and e.serves_like(first) for e in engines):
+        refusal = first.refusal()  # never None here: the first serves like itself
+        if refusal is not None:
+            raise refusal
 
 
 def failover(parts: Parts, exc: GatewayError) -> bool:

@@ -114,10 +114,13 @@ async def build_engine(
     models = Models(settings, client, metrics, executor)
     stack.push_async_callback(models.templates.close)
     stack.push_async_callback(models.close)
+    health = EngineHealth(client.get)
     if supervisor is None:
 
         def on_snapshot(old: EngineSnapshot, new: EngineSnapshot) -> None:
-            metrics.set_upstream_state(EngineLifecycle.READY if new.ok else EngineLifecycle.DOWN)
+            # As /health judges it (Engine.down): one failed scrape is not yet down.
+            up = view.answering() and not health.unhealthy
+            metrics.set_upstream_state(EngineLifecycle.READY if up else EngineLifecycle.DOWN)
 
         view.on_snapshot(on_snapshot)
     # An engine back from an outage may serve another context length (a restart, an auto-fit).
@@ -125,7 +128,7 @@ async def build_engine(
     progress = ProgressDetector(settings.hang_timeout, metrics=metrics)
     progress.probe = lambda timeout: completion_probe(client, _served_model(models), timeout)
     view.on_snapshot(progress.observe)
-    return Engine(client, models, view, progress, view.queue_cap, EngineHealth(client.get))
+    return Engine(client, models, view, progress, view.queue_cap, health)
 
 
 def _served_model(models: Models) -> str | None:
