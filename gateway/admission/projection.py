@@ -30,6 +30,8 @@ class Booked(Protocol):
     @property
     def max_tokens(self) -> int: ...
     @property
+    def min_output(self) -> int: ...
+    @property
     def n(self) -> int: ...
     @property
     def blocks(self) -> int: ...
@@ -79,7 +81,7 @@ class Outlook:
         if self.quantile >= 1.0 or self.lengths is None:
             return None
         per_sequence = math.ceil(r.generated / r.n)
-        return self.lengths.expected(r.family, r.tenant, r.max_tokens, per_sequence, self.quantile)
+        return self.lengths.expected(r.family, r.tenant, r.max_tokens, per_sequence, self.quantile, r.min_output)
 
 
 class Projector:
@@ -98,9 +100,11 @@ class Projector:
         return Outlook(self.optimism.quantile, self.outputs, self.optimism.reach)
 
     def completed(self, r: Booked, output: int | None, at: float) -> None:
-        """``r`` ended at ``at``; ``output``: its output tokens per sequence when it ran to its end."""
+        """``r`` ended at ``at``; ``output``: its output tokens per sequence when it ran to its end. An answer
+        forced to its ``max_tokens`` (``ignore_eos``) is not learned: its length was the client's choice, and would
+        only make the same tenant's other answers look longer than they are."""
         self.optimism.completed(at)
-        if output is not None:
+        if output is not None and r.min_output < r.max_tokens:
             self.outputs.add(r.family, r.tenant, r.max_tokens, output)
 
     def observe(

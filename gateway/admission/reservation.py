@@ -71,6 +71,7 @@ class Reservation:
         request_id: str, block_size: int, clock: Callable[[], float], checkpoint_spacing: float,
         tenant: str = "default", weight: float = 1.0, prefix: PromptPrefix | None = None,
         avoid: frozenset[str] = frozenset(), family: str = "", deadline: float | None = None,
+        min_output: int = 0,
     ) -> None:
         self._admitter = admitter
         self.family = family  # served model and route: whose answers' lengths it is booked from (``lengths``)
@@ -84,6 +85,9 @@ class Reservation:
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
+        # Output tokens per sequence it surely generates (``ignore_eos``: all of max_tokens; ``min_tokens``): booked
+        # at least so, whatever the lengths learned (``lengths``).
+        self.min_output = max(0, min(min_output, max_tokens))
         self.n = n
         self.priority = priority
         self.tenant = tenant

@@ -20,6 +20,7 @@ from gateway.engine.live import FAILED_SCRAPES_DOWN, EngineSnapshot, EngineView
 from gateway.engine.models import ServedModels
 from gateway.engine.progress import ProgressDetector
 from gateway.engine.queue_cap import QueueCap
+from gateway.engine.usage import Fingerprint
 from gateway.errors import GatewayError, UpstreamUnavailable
 
 ModelsT = TypeVar("ModelsT", bound=ServedModels)
@@ -40,6 +41,9 @@ class Engine(Generic[ModelsT]):
     progress: ProgressDetector = field(default_factory=ProgressDetector)
     # Whether vLLM's own queue cap refuses requests now: the view's, which admission reads (assembly.py).
     queue_cap: QueueCap = field(default_factory=QueueCap)
+    # The system_fingerprint it stamps on the last chunks of streams that carry no usage, learned from its usage
+    # chunks (``usage``): a server constant, so the relay stamps it as each choice ends instead of waiting.
+    fingerprint: Fingerprint = field(default_factory=Fingerprint)
     # Whether it says it is healthy (its own /health); asked only once started (proxy mode).
     health: EngineHealth = field(default_factory=EngineHealth)
 

@@ -4,13 +4,20 @@ vLLM sends one event per engine step and request, not one per token: with ``stre
 or the server's ``--stream-interval``) or speculative decoding an event carries many tokens, so counting events
 undercounts (one event of 1,000 tokens). The gateway therefore asks vLLM for usage on every chat and
 completions stream (``stream_options.include_usage`` and ``continuous_usage_stats``: each chunk then carries its
-choice's running count, a last chunk the total) and takes its figures from there. What the client did not ask
-for is taken out of the relayed stream, so that it receives the bytes vLLM would have sent it:
+choice's running count, a last chunk the total) and takes its figures from there. The client's own options are
+read as vLLM reads them (``vllm_api.reading``: ``"include_usage": 0``, ``"no"`` or ``"false"`` ask nothing, ``"yes"``
+asks), and what it did not ask for is taken out of the relayed stream, so that it receives the bytes vLLM would
+have sent it, in vLLM's order:
 
 - the per-chunk ``usage`` field, unless the client asked for ``continuous_usage_stats``;
 - the final usage-only chunk, unless it asked for ``include_usage``. vLLM then stamps ``system_fingerprint`` on
-  each choice's last chunk instead (it does not when usage follows), so those chunks wait for the usage chunk,
-  which tells the fingerprint: no wait with ``n`` = 1, where the usage chunk follows at once.
+  each choice's last chunk instead (it does not when usage follows). The fingerprint is the server's constant
+  (``--fingerprint-mode``: ``vllm-<version>[-<parallelism>]-<config hash>``, a custom value, or none at all,
+  vllm/entrypoints/serve/utils/fingerprint.py), computed once at start-up; every usage chunk tells it, so it
+  is learned once per engine (``Fingerprint``) and stamped as each choice ends, in the order vLLM sends them.
+  Only until it is first learned do last chunks wait for their stream's usage chunk (reordering the ends of an
+  ``n`` > 1 stream, that once); an engine that changes its fingerprint behind the same URL (an upgrade) gives its
+  next streams the previous one until a usage chunk tells the new.
 
 The Responses API has no running count: its progress is one token per ``*.delta`` event (a lower bound) until
 the closing event's ``response.usage.output_tokens``. An engine that reports nothing (it ignored the options)
@@ -24,6 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+
+from gateway.engine.vllm_api.reading import stream_usage
 
 _USAGE_KEY = b',"usage":'
 _FINAL = b'"choices":[]'
@@ -47,36 +56,53 @@ EVERYTHING = UsageAsk()
 
 def ask_engine_for_usage(body: dict[str, Any]) -> tuple[dict[str, Any], UsageAsk]:
     """A chat or completions stream's body as sent to the engine (usage on every chunk) and what the client
-    asked. Options the engine would read otherwise than as booleans (``"include_usage": 1``) are sent as they
-    are, so that the engine's own answer (its validation error, its reading) stays what it would have been."""
+    asked, its options read as vLLM reads them. Options vLLM refuses are sent as they are, so that the engine's
+    own answer (its validation error) stays what it would have been."""
     options = body.get("stream_options")
-    if options is None:
-        options = {}
-    if not isinstance(options, dict):
+    asked = stream_usage(options)
+    if asked is None:
         return body, EVERYTHING
-    include, continuous = options.get("include_usage"), options.get("continuous_usage_stats")
-    if not all(v is None or isinstance(v, bool) for v in (include, continuous)):
-        return body, EVERYTHING
-    ask = UsageAsk(final=include is True, continuous=include is True and continuous is True)
+    ask = UsageAsk(final=asked[0], continuous=asked[1])
     if ask == EVERYTHING:
-        return body, ask
-    sent = {**options, "include_usage": True, "continuous_usage_stats": True}
+        return body, ask  # the engine reads the client's own values as asking for everything
+    sent = {**(options or {}), "include_usage": True, "continuous_usage_stats": True}
     return {**body, "stream_options": sent}, ask
+
+
+class Fingerprint:
+    """The ``system_fingerprint`` one engine stamps on its answers, once a usage chunk has told it (``known``);
+    ``value`` None: the engine stamps none (``--fingerprint-mode none``, or a vLLM without the field)."""
+
+    __slots__ = ("known", "value")
+
+    def __init__(self) -> None:
+        self.known = False
+        self.value: str | None = None
+
+    def learn(self, value: str | None) -> None:
+        self.known, self.value = True, value
 
 
 class StreamUsage:
     """Reads the engine's counts off a stream's whole events and gives back the events its client asked for.
 
     ``generated``: output tokens so far, summed over the choices; ``reported``: whether the engine's final
-    figure was seen (the count is exact)."""
+    figure was seen (the count is exact). ``fingerprint``: the engine's, as learned from earlier streams (and
+    taught by this one's usage chunk); None: learned from this stream alone, its last chunks held for it."""
 
-    __slots__ = ("_all", "_ask", "_events", "_held", "_hold", "_per_choice", "_responses", "generated", "reported")
+    __slots__ = ("_all", "_ask", "_events", "_fingerprint", "_held", "_hold", "_per_choice", "_responses", "_stamp",
+                 "generated", "reported")
 
-    def __init__(self, route: str, ask: UsageAsk) -> None:
+    def __init__(self, route: str, ask: UsageAsk, fingerprint: Fingerprint | None = None) -> None:
         self._ask = ask
         self._all = ask == EVERYTHING  # nothing to take out: the events go as they came
         self._responses = route == "responses"
-        self._hold = not ask.final  # the usage chunk carries the fingerprint vLLM would stamp on last chunks
+        self._fingerprint = fingerprint
+        known = fingerprint is not None and fingerprint.known
+        # Without the usage chunk, vLLM stamps the fingerprint on each choice's last chunk: stamped as it passes
+        # when known (nothing to do when the engine stamps none), else held until the usage chunk tells it.
+        self._stamp = fingerprint.value if fingerprint is not None and known and not ask.final else None
+        self._hold = not ask.final and not known
         self._per_choice: dict[int, int] = {}
         self._events = 0  # the fallback's count: data events with choices
         self._held: list[bytes] = []
@@ -146,12 +172,19 @@ class StreamUsage:
             self.generated = count
             self.reported = True
         held, self._held = self._held, []
-        if held:
-            fingerprint = _fingerprint(event)
-            held = [_stamped(chunk, fingerprint) for chunk in held] if fingerprint is not None else held
+        if held or self._fingerprint is not None:
+            fingerprint = _fingerprint(event)  # one parse of one small chunk a stream
+            if self._fingerprint is not None:
+                self._fingerprint.learn(fingerprint)
+            if held and fingerprint is not None:
+                held = [_stamped(chunk, fingerprint) for chunk in held]
         return [*held, event] if self._ask.final else held
 
     def _maybe_hold(self, event: bytes) -> list[bytes]:
+        """A choice's last chunk (it carries a finish reason) as vLLM writes it without usage: stamped with the
+        known fingerprint, or held for the usage chunk while the fingerprint is not known."""
+        if self._stamp is not None and b'"finish_reason":"' in event and b'"system_fingerprint":' not in event:
+            return [_stamped(event, self._stamp)]
         if self._hold and b'"finish_reason":"' in event:
             self._held.append(event)
             return []

@@ -52,6 +52,7 @@ class Reply:
 class Booking:
     """What a request reserves: ``n`` sequences of ``prompt_tokens`` + ``max_tokens`` tokens each.
 
+    ``min_output``: output tokens per sequence it surely generates (``planning.sure_output``), booked as known.
     ``learns_output``: whether its output length teaches the adaptive policy (a pooling request has none).
     ``prompt_ids``: the ids the engine will schedule, for a request of exactly one prompt whose ids are known
     (not for media parts, batches of prompts or pooling), so its KV blocks can be keyed as the prefix cache keys them.
@@ -64,3 +65,4 @@ class Booking:
     learns_output: bool = True
     prompt_ids: tuple[int, ...] | None = None
     prefix: PromptPrefix | None = None  # what of the prompt admission may book as shared (``prefixes``)
+    min_output: int = 0

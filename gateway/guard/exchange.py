@@ -127,7 +127,7 @@ class EngineStream:
     ) -> None:
         self.parts, self.route, self.stream, self.reservation = parts, route, stream, reservation
         self.engine = engine
-        self.usage = StreamUsage(route, ask)
+        self.usage = StreamUsage(route, ask, engine.fingerprint)
         self.t0 = time.perf_counter()
         self.outcome = "cancelled"  # until the stream ends or breaks
         self._done = False

@@ -13,6 +13,7 @@ import time
 
 from gateway.admission.controller import Admission
 from gateway.config import PromptOverflowPolicy, Settings
+from gateway.engine.vllm_api import reading
 from gateway.errors import KVBudgetExceeded, MaxTokensExceeded
 from gateway.guard import offload, pooling, responses
 from gateway.guard.context import Booking
@@ -47,7 +48,20 @@ async def plan_generation(
     parts.metrics.record_max_tokens(req.route, max_tokens, decision.clamped or max_tokens != decision.max_tokens)
     set_max_tokens(req, max_tokens)
     out.max_tokens = max_tokens
-    return Booking(max(counts), max_tokens, sequences, stream=req.stream, prompt_ids=prompt_ids, prefix=prefix)
+    return Booking(max(counts), max_tokens, sequences, stream=req.stream, prompt_ids=prompt_ids, prefix=prefix,
+                   min_output=sure_output(req, max_tokens))
+
+
+def sure_output(req: GuardedRequest, max_tokens: int) -> int:
+    """Output tokens per sequence the engine will generate whatever the model says, read as vLLM reads the fields:
+    all of ``max_tokens`` with ``ignore_eos`` (EOS never ends it; a stop string the client also sent might, and
+    the request is still booked whole: what a client declares long is never booked short), at least
+    ``min_tokens`` (vLLM masks EOS, stop tokens and stop strings until then). A value vLLM refuses counts as
+    absent: the engine answers it with its own 400. Responses has no ``min_tokens``."""
+    if reading.flag(req.body, "ignore_eos"):
+        return max_tokens
+    least = reading.count(req.body, "min_tokens") if req.route != "responses" else 0
+    return max(0, min(least or 0, max_tokens))
 
 
 async def count(parts: Parts, req: GuardedRequest) -> list[PromptTokens]:

@@ -128,7 +128,7 @@ async def build_engine(
     progress = ProgressDetector(settings.hang_timeout, metrics=metrics)
     progress.probe = lambda timeout: completion_probe(client, _served_model(models), timeout)
     view.on_snapshot(progress.observe)
-    return Engine(client, models, view, progress, view.queue_cap, health)
+    return Engine(client, models, view, progress, view.queue_cap, health=health)
 
 
 def _served_model(models: Models) -> str | None:

@@ -91,15 +91,21 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=None,
                         help="vLLM's fraction of each GPU (default: the installed vLLM's, 0.9; 0.92 from 0.20).")
     parser.add_argument("--max-model-len", type=int, default=None, help="Context length to plan for.")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="GPUs each layer is split across, as vLLM's flag of that name.")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="Pipeline stages the layers are split into, as vLLM's flag of that name.")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3, fp8_e5m2, fp8_ds_mla ...")
     parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
                         help="KV block size in tokens (16 on GPU; vLLM's CPU backend uses 128).")
     parser.add_argument("--kv-cache-memory-bytes", default=None,
                         help="Size the KV cache directly, as vLLM's flag of that name does.")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="As vLLM's flag: tokens one engine step may take; sizes the activation memory "
+                        "(default: vLLM's, 8192 on GPUs of 70 GiB or more, else 2048).")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="As vLLM's flag: sequences one engine step may run; sizes the logits' memory "
+                        "(default: vLLM's, 1024 on GPUs of 70 GiB or more, else 256).")
     parser.add_argument("--context-length", action="append", default=[],
                         help="Context lengths for the concurrency table (repeatable, or comma-separated).")
     parser.add_argument("--json", action="store_true", help="Print the plan as JSON.")

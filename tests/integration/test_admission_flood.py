@@ -188,14 +188,15 @@ async def test_the_same_flood_through_strict_makes_zero_preemptions(
 async def test_a_cold_flood_running_to_max_tokens_preempts_far_less_through_the_default_policy(
     make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
 ) -> None:
-    """Nothing learned yet, every answer runs to its max_tokens (ignore_eos): the default policy books a quarter
-    of max_tokens at first, lets the engine preempt, and backs off to the worst case as it does."""
-    direct = make_sim(stop_early=lambda index, max_tokens: 4)
-    straight = await flood(direct.url, FLOOD, flood_body(ignore_eos=True))
+    """Nothing learned yet, every answer runs to its max_tokens (the model never draws EOS, which the gateway
+    cannot know): the default policy books a quarter of max_tokens at first, lets the engine preempt, and backs off
+    to the worst case as it does."""
+    direct = make_sim()
+    straight = await flood(direct.url, FLOOD, flood_body())
     assert all(r.status_code == 200 for r in straight)
-    sim = make_sim(stop_early=lambda index, max_tokens: 4)
+    sim = make_sim()
     gw = make_gateway(sim, admission_policy="adaptive", max_queue=24)
-    responses = await flood(gw.url, FLOOD, flood_body(ignore_eos=True))
+    responses = await flood(gw.url, FLOOD, flood_body())
     assert_completed_or_shed(responses)
     completed = [r for r in responses if r.status_code == 200]
     assert all(r.json()["usage"]["completion_tokens"] == FLOOD_MAX_TOKENS for r in completed)
@@ -254,16 +255,18 @@ async def test_adaptive_backs_off_when_outputs_grow_longer_than_it_learned(
     learned = await flood(gw.url, 12, completion(16, FLOOD_MAX_TOKENS))
     assert [r.status_code for r in learned] == [200] * 12
     assert sum(gw.status()["output_lengths"].values()) == 12
-    # Now every request runs to max_tokens. Non-streaming requests show no progress, so the first burst is
-    # sized on the short outputs learned so far and may preempt; the gateway must learn from it.
-    first = await flood(gw.url, FLOOD, flood_body(ignore_eos=True))
+    # Now every request runs to max_tokens (the model stops drawing EOS: nothing in the requests says so). Non-
+    # streaming requests show no progress, so the first burst is sized on the short outputs learned so far and may
+    # preempt; the gateway must learn from it.
+    sim.sim.config.stop_early = None
+    first = await flood(gw.url, FLOOD, flood_body())
     assert [r.status_code for r in first] == [200] * FLOOD
     assert sum(gw.status()["output_lengths"].values()) == 12 + FLOOD
     preempted = sim.sim.preemptions_total
     if preempted:
         # Backing off: a level that had reached past the projection falls back to it, one at or under it halves.
         await eventually(lambda: backed_off(gw.status()), "the level lowered after preemptions")
-    second = await flood(gw.url, FLOOD, flood_body(ignore_eos=True))
+    second = await flood(gw.url, FLOOD, flood_body())
     assert [r.status_code for r in second] == [200] * FLOOD
     # Learned: the second burst preempts less than the first (none if the first did not). Not always none: the
     # window's preemptions age while the second burst runs, and on a loaded machine one was seen (1 against 8).

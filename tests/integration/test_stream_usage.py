@@ -58,6 +58,15 @@ class Stream:
     options: dict[str, Any] | None  # the client's stream_options
     n: int = 1
     interval: int | None = 1000
+    reads: tuple[bool, bool] | None = None  # how vLLM reads options that are not JSON booleans
+
+    @property
+    def asked(self) -> tuple[bool, bool]:
+        """What the client asked as vLLM reads it: the usage chunk, usage on every chunk."""
+        if self.reads is not None:
+            return self.reads
+        options = self.options or {}
+        return bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
 
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {"model": "tiny", "max_tokens": 1000, "n": self.n, "stream": True}
@@ -85,6 +94,12 @@ STREAMS = [
     Stream("chat, one token an event", "chat", None, interval=None),
     Stream("completions, no usage asked", "completions", None),
     Stream("completions, n=2, usage asked", "completions", USAGE, n=2),
+    Stream("chat, usage declined as 0", "chat", {"include_usage": 0}, reads=(False, False)),
+    Stream('chat, usage declined as "false"', "chat", {"include_usage": "false"}, reads=(False, False)),
+    Stream('completions, usage declined as "no"', "completions", {"include_usage": "no"}, reads=(False, False)),
+    Stream("chat, continuous 1 without usage", "chat", {"continuous_usage_stats": 1}, reads=(False, False)),
+    Stream('chat, usage asked as "yes"', "chat", {"include_usage": "yes"}, reads=(True, False)),
+    Stream("chat, n=2, usage declined as 0", "chat", {"include_usage": 0}, n=2, reads=(False, False)),
 ]
 
 
@@ -149,12 +164,12 @@ def test_the_engines_count_is_learned_and_the_client_gets_what_vllm_would_send(
     # Byte for byte what vLLM sends this request directly (only the clock's second may differ).
     assert normalised(events(through.content)) == normalised(events(direct.content))
     chunks = [orjson.loads(e[6:]) for e in events(through.content) if e != b"data: [DONE]\n\n"]
-    asked = case.options or {}
-    assert any(c["choices"] == [] for c in chunks) == bool(asked.get("include_usage"))
-    assert any("usage" in c for c in chunks if c["choices"]) == bool(asked.get("continuous_usage_stats"))
+    final, continuous = case.asked
+    assert any(c["choices"] == [] for c in chunks) == final
+    assert any("usage" in c for c in chunks if c["choices"]) == continuous
     last = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
     assert len(last) == case.n
-    assert all(("system_fingerprint" in c) == (not asked.get("include_usage")) for c in last)
+    assert all(("system_fingerprint" in c) == (not final) for c in last)
     gw.wait_ledger_empty()
     (reservation,) = made
     assert reservation.generated == case.n * OUTPUT
@@ -172,3 +187,41 @@ def test_a_responses_stream_is_settled_to_the_engines_figure(gw: GatewayServer) 
     (reservation,) = made
     assert reservation.generated == OUTPUT and reservation.learned[0] == OUTPUT
     assert completion_tokens(gw) - before == OUTPUT
+
+
+# -- several choices: each ends where vLLM ends it -------------------------------------------------------------
+CHOICE_LENGTHS = (4, 30, 12)  # choice i of every request stops after this many tokens, one token an event
+
+
+@pytest.fixture(scope="module")
+def apart(tokenizer: Any, tokenizer_dir: Path) -> Iterator[tuple[SimServer, GatewayServer]]:
+    """An engine whose choices end apart, one token a step, and a gateway in front of it."""
+    config = SimConfig(model="tiny", root=str(tokenizer_dir), tokenizer=tokenizer, max_model_len=2048,
+                       num_blocks=512, block_size=16, token_delay=0.002, system_fingerprint=FINGERPRINT,
+                       stop_early_choice=lambda index, choice, max_tokens: CHOICE_LENGTHS[choice])
+    with run_sim_server(config) as server:
+        settings = Settings(tokenizer=str(tokenizer_dir), scrape_interval=0.05, queue_timeout=5.0,
+                            read_timeout=5.0, upstream=server.url)
+        with run_gateway(settings) as gw:
+            yield server, gw
+
+
+@pytest.mark.parametrize("route,options", [
+    ("chat", None), ("chat", {"include_usage": "no"}), ("completions", {"continuous_usage_stats": 1}),
+    ("chat", {"include_usage": True}),
+], ids=["chat without usage", "chat, usage declined as 'no'", "completions, continuous alone", "chat with usage"])
+def test_several_choices_come_in_vllms_order_each_ending_as_vllm_ends_it(
+    apart: tuple[SimServer, GatewayServer], route: str, options: dict[str, Any] | None
+) -> None:
+    sim, gw = apart
+    case = Stream("apart", route, options, n=len(CHOICE_LENGTHS), interval=None)
+    httpx.post(gw.url + case.path, json=case.body(), timeout=30)  # an earlier stream: the fingerprint is known
+    rid = f"apart-{route}-{abs(hash(str(options)))}"
+    through = httpx.post(gw.url + case.path, json=case.body(), headers={"x-request-id": rid}, timeout=30)
+    direct = httpx.post(sim.url + case.path, json=case.body(), headers={"x-request-id": rid}, timeout=30)
+    assert through.status_code == direct.status_code == 200, through.text
+    ends = [e for e in events(direct.content) if b'"finish_reason":"' in e]
+    assert len(ends) == len(CHOICE_LENGTHS)
+    # Choice 0 ends long before the others in vLLM's stream, and in the relayed one at the same place.
+    assert normalised(events(through.content)) == normalised(events(direct.content))
+    gw.wait_ledger_empty()

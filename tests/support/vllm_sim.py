@@ -29,7 +29,7 @@ from typing import Any, cast
 
 import orjson
 import uvicorn
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -59,6 +59,7 @@ __all__ = ["DataParallelSimulator", "Fault", "SimConfig", "SimServer", "Simulato
 AUTH_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
 MAX_N = 1024  # envs.VLLM_MAX_N_SEQUENCES
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
+_INT: TypeAdapter[int] = TypeAdapter(int)  # how vLLM's request models read an int field
 
 
 
@@ -222,9 +223,9 @@ class _SimApp:
             return self.error(f"The prompt ({max(plan.prompts)} tokens) does not fit into the KV cache "
                               f"({self.sim.capacity_tokens} tokens).", param="input_tokens")
         for i, (ids, max_tokens) in enumerate(zip(plan.prompt_ids, plan.max_tokens, strict=True)):
-            target = self.sim.output_length(request_index, max_tokens, plan.ignore_eos, plan.min_tokens,
-                                            plan.eos_bias)
-            run.seqs += self.sim.submit(ids, plan.n, max_tokens, target, run.on_token, first_index=i * plan.n,
+            targets = [self.sim.output_length(request_index, max_tokens, plan.ignore_eos, plan.min_tokens,
+                                              plan.eos_bias, choice) for choice in range(plan.n)]
+            run.seqs += self.sim.submit(ids, plan.n, max_tokens, targets, run.on_token, first_index=i * plan.n,
                                         lora=plan.lora, cache_salt=plan.cache_salt, rank=rank)
         scope = request.scope
         if plan.stream:
@@ -285,8 +286,9 @@ class _SimApp:
         """``Plan`` fields for the sampler's say on the length: ``min_tokens`` (checked as vLLM's
         SamplingParams does, against the clamped max_tokens) and the ``logit_bias`` on EOS (clamped to
         +-100 as vLLM does). Values of other types are left to the gateway's tests of pass-through."""
-        min_tokens = body.get("min_tokens")
-        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool):
+        try:  # vLLM's model reads it as pydantic's int does ("12" and 12.0 are 12)
+            min_tokens = _INT.validate_python(body.get("min_tokens") or 0)
+        except ValidationError:
             min_tokens = 0
         if min_tokens < 0:
             raise _Rejected(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")

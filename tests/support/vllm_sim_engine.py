@@ -67,10 +67,11 @@ class RequestLog:
         return index
 
     def output_length(self, request_index: int, max_tokens: int, ignore_eos: bool, min_tokens: int = 0,
-                      eos_bias: float = 0.0) -> int:
-        """How many tokens a request generates, its EOS (if any) being the last of them.
+                      eos_bias: float = 0.0, choice: int = 0) -> int:
+        """How many tokens a request's ``choice`` generates, its EOS (if any) being the last of them.
 
-        The model would draw EOS as token ``SimConfig.stop_early(index, max_tokens)`` (never, without it).
+        The model would draw EOS as token ``SimConfig.stop_early(index, max_tokens)`` (never, without it), or
+        ``SimConfig.stop_early_choice(index, choice, max_tokens)`` where each choice draws its own.
         As in vLLM's sampler, ``ignore_eos`` never stops, EOS is masked for the first ``min_tokens`` tokens,
         and a ``logit_bias`` on EOS of at least ``EOS_WINS`` makes it the first draw it is allowed in (a
         random-weight model's logits are small: the benchmarks' ``min_tokens: L - 1`` with +100 gives L
@@ -80,10 +81,13 @@ class RequestLog:
             return max_tokens
         if eos_bias >= EOS_WINS:
             return min(max_tokens, min_tokens + 1)
-        stop_early = self.config.stop_early
-        if stop_early is None:
+        stop_early, per_choice = self.config.stop_early, self.config.stop_early_choice
+        if per_choice is not None:
+            drawn = per_choice(request_index, choice, max_tokens)
+        elif stop_early is not None:
+            drawn = stop_early(request_index, max_tokens)
+        else:
             return max_tokens
-        drawn = stop_early(request_index, max_tokens)
         return max(1, min(max_tokens, drawn if drawn > min_tokens else min_tokens + 1))
 
 
@@ -183,7 +187,7 @@ class Simulator(RequestLog):
         prompt: int | list[int],
         n: int,
         max_tokens: int,
-        target: int,
+        target: int | list[int],
         on_token: Callable[[Sequence], None],
         *,
         first_index: int = 0,
@@ -193,7 +197,8 @@ class Simulator(RequestLog):
     ) -> list[Sequence]:
         """Queue the ``n`` sequences of one prompt; ``on_token`` runs after each token and at the end.
 
-        ``prompt`` is its token ids, or a number of tokens: ids no other prompt has. ``lora`` is the adapter
+        ``prompt`` is its token ids, or a number of tokens: ids no other prompt has; ``target``: the tokens each
+        sequence generates (one for all, or one per sequence). ``lora`` is the adapter
         (name, path) and ``cache_salt`` the request's salt; both key the prompt's blocks apart. ``rank``: the
         data-parallel rank the request asked for, which can only be this engine's. When nothing needs time and
         the blocks suffice, every sequence completes before this returns.
@@ -204,13 +209,14 @@ class Simulator(RequestLog):
         ids = self._made_up_ids(prompt) if isinstance(prompt, int) else list(prompt)
         # vLLM refuses to start with a cache smaller than one max_model_len request; the simulator accepts
         # such configs and stops a sequence (finish_reason "length") when it would outgrow the whole cache.
-        target = min(target, self.capacity_tokens - len(ids))
-        if target < 1:
+        wanted = target if isinstance(target, list) else [target] * n
+        targets = [min(t, self.capacity_tokens - len(ids)) for t in wanted]
+        if min(targets) < 1:
             raise ValueError(f"a prompt of {len(ids)} tokens does not fit into the KV cache "
                              f"({self.capacity_tokens} tokens)")
         shared = Prompt(ids, lora, cache_salt)
-        seqs = [Sequence(first_index + i, shared, max_tokens, target, on_token, now,
-                         self._made_up_ids(target)[0], rank=self.rank) for i in range(n)]
+        seqs = [Sequence(first_index + i, shared, max_tokens, t, on_token, now,
+                         self._made_up_ids(t)[0], rank=self.rank) for i, t in enumerate(targets)]
         if self.kv.caching:
             keys = self.kv.keys(seqs[0], len(ids) // self.config.block_size)
             for seq in seqs[1:]:

@@ -50,6 +50,9 @@ class SimConfig:
     # --max-num-queued-reqs (vLLM 0.29+): unfinished requests beyond it are refused with vLLM's 503.
     max_num_queued_reqs: int | None = None
     stop_early: Callable[[int, int], int] | None = None
+    # Where each choice of a request with n > 1 draws EOS, by (request index, choice index, max_tokens): vLLM
+    # samples each choice on its own, so they end apart. None: every choice draws the request's ``stop_early``.
+    stop_early_choice: Callable[[int, int, int], int] | None = None
     fault: Fault | None = None
     # What /metrics answers other than its page (500: an API server whose metrics fail); None: the page.
     metrics_status: int | None = None

@@ -13,6 +13,7 @@ class Booked:
 
     prompt_tokens: int = 152
     max_tokens: int = 168
+    min_output: int = 0  # tokens per sequence it surely generates (ignore_eos, min_tokens)
     n: int = 1
     blocks: int = 20
     generated: int = 0

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gateway.admission.lengths import MIN_SAMPLES, TENANT_MIN_SAMPLES, WINDOW, OutputLengths, bucket, prior
+from gateway.admission.lengths import MIN_SAMPLES, WINDOW, OutputLengths, bucket, prior
 
 
 @pytest.mark.parametrize(("max_tokens", "b"), [(1, 0), (2, 1), (16, 4), (17, 5), (513, 10), (1024, 10), (1025, 11)])
@@ -46,15 +46,39 @@ def test_families_and_buckets_are_learned_apart() -> None:
     assert seen.expected("m/chat", "t", 4096, 0, 0.5) == prior(4096)  # no samples in that bucket
 
 
-def test_a_tenant_is_booked_from_its_own_lengths_once_it_has_enough() -> None:
+def test_a_tenant_is_booked_from_its_own_lengths_once_it_has_enough_and_from_the_prior_before() -> None:
     seen = OutputLengths()
-    for _ in range(2 * TENANT_MIN_SAMPLES):
+    for _ in range(64):
         seen.add("m/chat", "others", 1024, 100)
-    for i in range(TENANT_MIN_SAMPLES):
-        assert seen.expected("m/chat", "long", 1024, 0, 0.5) == 100, i  # the family's median still
+    for i in range(MIN_SAMPLES):
+        # The others' short answers do not lower a new tenant's booking below the prior.
+        assert seen.expected("m/chat", "long", 1024, 0, 0.5) == prior(1024), i
         seen.add("m/chat", "long", 1024, 800)
     assert seen.expected("m/chat", "long", 1024, 0, 0.5) == 800
     assert seen.expected("m/chat", "others", 1024, 0, 0.5) == 100
+
+
+def test_the_familys_longer_answers_raise_a_new_tenants_prior() -> None:
+    seen = OutputLengths()
+    for _ in range(MIN_SAMPLES):
+        seen.add("m/chat", "others", 1024, 900)
+    assert seen.expected("m/chat", "new", 1024, 0, 0.5) == 900
+    assert seen.survival("m/chat", "new", 1024, 0, [0, 256, 899, 900]) == [1.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize(("at_least", "generated", "booked"), [
+    (0, 0, 8), (100, 0, 100), (100, 99, 100), (100, 100, 200), (1024, 0, 1024), (2000, 0, 1024),
+], ids=["nothing known", "min_tokens 100", "one token short of it", "past it: grows as before",
+        "ignore_eos: max_tokens", "never past max_tokens"])
+def test_what_a_request_surely_generates_is_booked_whatever_was_learned(
+    at_least: int, generated: int, booked: int
+) -> None:
+    seen = OutputLengths()
+    for _ in range(MIN_SAMPLES):
+        seen.add("m/chat", "t", 1024, 8)
+    assert seen.expected("m/chat", "t", 1024, generated, 0.7, at_least) == booked
+    alive = seen.survival("m/chat", "t", 1024, generated, [0, 16, 64, 512], at_least)
+    assert alive == [1.0 if generated + s < max(at_least, booked) else 0.0 for s in (0, 16, 64, 512)]
 
 
 def test_the_window_forgets_the_oldest_lengths() -> None:

@@ -8,11 +8,12 @@ from typing import Any
 
 import pytest
 
+from gateway.admission import Reservation
 from gateway.admission import policy as policy_module
 from gateway.admission.curve import UsageCurve, usage_curve
 from gateway.admission.projection import Outlook, Projector, credited_progress
 from gateway.engine.live import never_scraped
-from tests.unit.admission.booked import Booked
+from tests.unit.admission.booked import EIGHT, Booked
 from tests.unit.admission.rig import Rig, adaptive_rig_with_short_outputs, enter, release_all, settle, vllm_text
 
 
@@ -166,6 +167,21 @@ def test_the_projector_credits_progress_on_good_snapshots_and_forgets_it_on_bad_
     assert projector.outlook() == Outlook(0.85, projector.outputs)
 
 
+@pytest.mark.parametrize(("min_output", "learned"), [(0, 1), (40, 1), (168, 0)],
+                         ids=["nothing known", "min_tokens: its length is an answer's", "ignore_eos: forced"])
+def test_answers_forced_to_max_tokens_are_not_learned(min_output: int, learned: int) -> None:
+    projector = Projector(credit_window=0.5)
+    projector.completed(Booked(min_output=min_output), 168, 1.0)
+    assert sum(projector.outputs.status().values()) == learned
+
+
+def test_the_outlook_books_what_a_request_surely_generates() -> None:
+    short = Outlook(0.7, EIGHT)
+    assert short.expected_output(Booked()) == 8
+    assert short.expected_output(Booked(min_output=100)) == 100
+    assert short.expected_output(Booked(min_output=168)) == 168
+
+
 @pytest.mark.parametrize(
     ("held_back", "kv_usage", "kv_target", "allowed", "reach"),
     [
@@ -186,3 +202,28 @@ def test_the_reach_grows_only_while_requests_wait_in_the_gateway_and_the_engine_
         projector.observe(snap, new, [], held_back=held_back)
         snap = new
     assert projector.outlook().reach == pytest.approx(reach)
+
+
+@pytest.mark.parametrize(("declared", "admitted"), [(True, False), (False, True)],
+                         ids=["ignore_eos: within the budget only", "its length unknown: the reach takes it"])
+async def test_the_reach_past_the_budget_never_takes_a_request_that_declares_its_whole_length(
+    declared: bool, admitted: bool
+) -> None:
+    rig = Rig(engine=True, admission_policy="adaptive")
+    await rig.scrape(0.0)
+    rig.adm._sites.primary.projector.optimism.value = 1.5  # the most reach: the engine had room for long
+
+    def sure(i: int) -> Reservation:
+        return rig.adm.reservation(prompt_tokens=8, max_tokens=712, n=1, priority=0, request_id=f"r{i}",
+                                   min_output=712)
+
+    running = [await sure(i).__aenter__() for i in range(2)]
+    for r in running:
+        r.observe_output_tokens(704)  # 45 blocks of 16 each, 90 of the 100, to the end surely
+    # The third: 200 prompt tokens (13 blocks at once, 103 in all: past the budget, within the reach).
+    extra = rig.adm.reservation(prompt_tokens=200, max_tokens=312, n=1, priority=0, request_id="third",
+                                min_output=312 if declared else 0)
+    task = enter(extra)
+    await settle()
+    assert extra.admitted == admitted
+    await release_all(rig, [*running, extra], [task])

@@ -189,6 +189,15 @@ async def test_the_context_manager_enters_and_leaves_through_the_admitter() -> N
     assert r.recount(8, sharing=False) == 2 and r.blocks == 4
 
 
+@pytest.mark.parametrize(("said", "kept"), [(0, 0), (10, 10), (24, 24), (500, 24), (-5, 0)])
+def test_what_a_request_surely_generates_is_kept_within_its_max_tokens(said: int, kept: int) -> None:
+    r = Reservation(
+        RecordingAdmitter(), prompt_tokens=8, max_tokens=24, n=1, priority=0, request_id="a", block_size=16,
+        clock=lambda: 0.0, checkpoint_spacing=0.1, min_output=said,
+    )
+    assert r.min_output == kept
+
+
 # -- progress and what it teaches ---------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("observed", "completed", "cut", "output"),

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 
-from gateway.engine.usage import EVERYTHING, StreamUsage, UsageAsk, ask_engine_for_usage
+from gateway.engine.usage import EVERYTHING, Fingerprint, StreamUsage, UsageAsk, ask_engine_for_usage
 
 HEAD = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"tiny"'
 CHEAD = b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"tiny"'
@@ -98,6 +98,7 @@ class Asked:
     sent: Any  # the stream_options the engine gets
 
 
+EVERY_CHUNK = {"include_usage": True, "continuous_usage_stats": True}
 ASKS = [
     Asked("no options", None, UsageAsk(False, False), {"include_usage": True, "continuous_usage_stats": True}),
     Asked("usage asked", {"include_usage": True}, UsageAsk(True, False),
@@ -110,8 +111,22 @@ ASKS = [
           {"include_usage": True, "continuous_usage_stats": True}),
     Asked("other options kept", {"x": 1}, UsageAsk(False, False),
           {"x": 1, "include_usage": True, "continuous_usage_stats": True}),
-    Asked("a value vLLM reads its own way is sent as it is", {"include_usage": 1}, EVERYTHING,
-          {"include_usage": 1}),
+    # Values that are not JSON booleans, read as vLLM's pydantic model reads them (``test_vllm_reading``).
+    Asked("0 declines usage", {"include_usage": 0}, UsageAsk(False, False), EVERY_CHUNK),
+    Asked('"false" declines usage', {"include_usage": "false"}, UsageAsk(False, False), EVERY_CHUNK),
+    Asked('"no" declines usage', {"include_usage": "no"}, UsageAsk(False, False), EVERY_CHUNK),
+    Asked("null declines usage", {"include_usage": None}, UsageAsk(False, False), EVERY_CHUNK),
+    Asked("continuous 1 without usage asks nothing", {"continuous_usage_stats": 1}, UsageAsk(False, False),
+          EVERY_CHUNK),
+    Asked("1 asks for usage", {"include_usage": 1}, UsageAsk(True, False), EVERY_CHUNK),
+    Asked('"yes" and "off"', {"include_usage": "yes", "continuous_usage_stats": "off"}, UsageAsk(True, False),
+          EVERY_CHUNK),
+    Asked('"on" and "t" ask everything: sent as they are', {"include_usage": "on", "continuous_usage_stats": "t"},
+          EVERYTHING, {"include_usage": "on", "continuous_usage_stats": "t"}),
+    Asked("a value vLLM refuses is sent as it is (its own 400)", {"include_usage": "maybe"}, EVERYTHING,
+          {"include_usage": "maybe"}),
+    Asked("a list vLLM refuses is sent as it is", {"continuous_usage_stats": [1]}, EVERYTHING,
+          {"continuous_usage_stats": [1]}),
 ]
 
 
@@ -144,6 +159,72 @@ def test_the_client_gets_what_vllm_would_have_sent_it_and_the_count_is_the_engin
         assert [e for e in out if b'"index":%d,' % i in e] == mine
     assert out[-1] == DONE
     assert meter.generated == n * sum(steps) and meter.reported
+
+
+def interleaved(lengths: list[int], ask: UsageAsk | None, *, fingerprint: str | None = FP) -> list[bytes]:
+    """A stream of one choice per entry of ``lengths``, one token a step, in vLLM's order: every choice's role
+    chunk, then each step's token of every choice still running, the shortest ending first. ``ask`` None: what
+    the engine sends when asked for everything; else what it sends a client that asked ``ask``."""
+    cont = ask is None or ask.continuous
+    final_asked = ask is None or ask.final
+    events = [chat(i, "", 0 if cont else None, role=True) for i in range(len(lengths))]
+    for step in range(1, max(lengths) + 1):
+        for i, length in enumerate(lengths):
+            if step <= length:
+                last = step == length
+                stamp = fingerprint if last and not final_asked else None
+                events.append(chat(i, "x", step if cont else None, "stop" if last else None, fingerprint=stamp))
+    tail = [final(sum(lengths), fingerprint)] if final_asked else []
+    return [*events, *tail, DONE]
+
+
+def learned(fingerprint: str | None = FP) -> Fingerprint:
+    """An engine's fingerprint as one earlier stream taught it."""
+    known = Fingerprint()
+    relay_learning(interleaved([1], None, fingerprint=fingerprint), UsageAsk(False, False), known)
+    return known
+
+
+def relay_learning(events: list[bytes], ask: UsageAsk, known: Fingerprint) -> list[list[bytes]]:
+    """What the relay gives back for each event fed alone, in order."""
+    meter = StreamUsage("chat", ask, known)
+    return [meter.feed([event]) for event in events] + [meter.close()]
+
+
+class TestMultiChoiceStreamsInVllmsOrder:
+    @pytest.mark.parametrize("fingerprint", [FP, None], ids=["a fingerprint", "none stamped (mode none)"])
+    @pytest.mark.parametrize("ask", [UsageAsk(False, False), UsageAsk(True, False)],
+                             ids=["nothing asked", "usage asked"])
+    def test_each_choice_ends_as_the_engine_ends_it_once_the_fingerprint_is_known(
+        self, ask: UsageAsk, fingerprint: str | None
+    ) -> None:
+        lengths = [2, 5, 3]
+        engine, client = interleaved(lengths, None, fingerprint=fingerprint), interleaved(
+            lengths, ask, fingerprint=fingerprint)
+        outs = relay_learning(engine, ask, learned(fingerprint))
+        assert [e for out in outs for e in out] == client  # byte for byte, in vLLM's order
+        # Nothing waits: every chunk but the untold usage chunk comes out as it comes in.
+        assert all(len(out) == 1 for out, event in zip(outs, engine, strict=False) if b'"choices":[]' not in event)
+
+    def test_the_first_stream_teaches_the_fingerprint_and_only_it_holds_the_ends(self) -> None:
+        known = Fingerprint()
+        lengths, ask = [1, 3], UsageAsk(False, False)
+        first = [e for out in relay_learning(interleaved(lengths, None), ask, known) for e in out]
+        assert sorted(first) == sorted(interleaved(lengths, ask))  # the same bytes; choice 0's end held once
+        assert known.known and known.value == FP
+        second = [e for out in relay_learning(interleaved(lengths, None), ask, known) for e in out]
+        assert second == interleaved(lengths, ask)
+
+    def test_a_new_fingerprint_is_learned_from_the_next_usage_chunk(self) -> None:
+        known = learned("vllm-0.32.0-old")
+        relay_learning(interleaved([1], None, fingerprint="vllm-0.33.0-new"), UsageAsk(False, False), known)
+        assert known.value == "vllm-0.33.0-new"
+        relay_learning(interleaved([1], None, fingerprint=None), UsageAsk(True, True), known)
+        assert known.known and known.value is None
+
+    def test_a_chunk_the_engine_stamped_itself_is_not_stamped_again(self) -> None:
+        stamped = chat(0, "x", None, "stop", fingerprint=FP)
+        assert StreamUsage("chat", UsageAsk(False, False), learned()).feed([stamped]) == [stamped]
 
 
 def test_one_event_of_many_tokens_counts_all_of_them_as_it_arrives() -> None:
