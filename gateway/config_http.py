@@ -9,6 +9,13 @@ from pydantic import BaseModel, Field
 # chat chunks (~250 bytes a token), so an ordinary answer never waits on its reader, or ~1-2K tokens with top-20
 # logprobs; 1,000 stalled streams hold at most 4 GiB, and --write-timeout frees each within seconds.
 MAX_BUFFERED_BYTES = 4 * 1024 * 1024
+# Idle connections are kept longer than the common clients keep them in their pools, so that the client always
+# closes first: a server that closes an idle connection as the client sends a request on it loses that request
+# (a reset, or a silent close the client may not retry). Their defaults, read in their sources: httpx (so the
+# OpenAI Python SDK, whose pool is httpx's) keepalive_expiry 5 s; aiohttp's TCPConnector keepalive_timeout 15 s;
+# nginx upstream keepalive_timeout 60 s (its client side 75 s); Go's net/http DefaultTransport IdleConnTimeout
+# 90 s. An idle connection holds a few KiB and counts towards --max-connections, which bounds them all.
+KEEP_ALIVE_TIMEOUT = 120.0
 
 
 class HttpFields(BaseModel):
@@ -37,8 +44,11 @@ class HttpFields(BaseModel):
         "slower gets 408 and the connection is closed."
     )
     keep_alive_timeout: float = Field(
-        5.0, gt=0, description="Seconds a connection may stay idle (just opened, or after a response) before "
-        "it is closed."
+        KEEP_ALIVE_TIMEOUT, gt=0, description="Seconds a connection may stay idle after a response before it is "
+        "closed (one just opened waits for its first request no longer than --header-timeout either): longer than "
+        "the clients' own pools keep an idle connection (httpx and the OpenAI SDK 5 s, aiohttp 15 s, nginx 60 s, "
+        "Go 90 s), so that the gateway never closes one a client is about to reuse. Idle connections count "
+        "towards --max-connections.",
     )
     max_connections: int = Field(
         2048, ge=1, description="Most client connections open at once; one more gets 503 with Retry-After and "

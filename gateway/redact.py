@@ -3,6 +3,12 @@
 Every place that shows a URL passes it through ``redact_url``. Log records also pass through a
 ``SecretRedactor`` installed at start-up (``install_log_redaction``), which replaces every configured secret
 and any URL credentials in any record, from any library: a second line of defence behind the first.
+
+The same pass bounds every record: a text argument is cut to ``ARGUMENT_CHARS``, the message to
+``MESSAGE_CHARS`` (a traceback to ``EXCEPTION_CHARS``), in ``gateway/clip.py``'s cut form before anything
+formats or searches them, whatever a client sent into them (a model name, a path). An argument is cut before
+the message is formatted, so a megabyte argument costs microseconds, not the copy and the search of a megabyte
+line on the event loop.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from gateway.clip import cut_marker
+
 if TYPE_CHECKING:  # config imports this module for its own messages
     from gateway.config import Settings
 
@@ -20,6 +28,18 @@ REDACTED = "***"
 # Shorter secrets are not replaced everywhere: they would garble every log line, and a key that short is
 # guessable anyway. URLs with credentials are redacted whatever their length.
 MIN_SECRET_CHARS = 4
+
+# The longest log message (characters): Docker's json-file driver splits longer lines, as do shippers with a
+# line limit of their own; the access log's lines are a few KiB at most (gateway/observe/access_log.py).
+MESSAGE_CHARS = 16 * 1024
+# The longest text argument of a record, so that a message with a few of them is not cut again (its marker keeps
+# the argument's own length and hash).
+ARGUMENT_CHARS = 4 * 1024
+# The longest traceback of a record: a deep async stack with its chained causes fits.
+EXCEPTION_CHARS = 64 * 1024
+# Characters past a cut that are redacted with the text before it: a secret or a URL's credentials that straddle
+# the cut are replaced whole, never shown in part.
+_CUT_SLACK = 1024
 
 # scheme://userinfo@ in free text; greedy up to the authority's last '@', as URL parsers read it.
 _URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.\-]*://)[^/?#\s\"'<>]*@")
@@ -87,29 +107,40 @@ class SecretRedactor(logging.Filter):
         text = redact_urls_in(text)
         return self._pattern.sub(REDACTED, text) if self._pattern is not None else text
 
+    def redact_within(self, text: str, limit: int) -> str:
+        """``text`` redacted, and cut to ``limit`` characters in the cut form when longer (``gateway/clip.py``):
+        only its start is searched (a secret straddling the cut is still replaced whole)."""
+        if len(text) <= limit:
+            return self.redact(text)
+        tail = cut_marker(text)
+        return self.redact(text[: limit + _CUT_SLACK])[: max(0, limit - len(tail))] + tail
+
     def filter(self, record: logging.LogRecord) -> bool:
         self.scrub(record)
         return True
 
     def scrub(self, record: logging.LogRecord) -> None:
-        """Redact the record's message (arguments merged in), its traceback and its stack, in place."""
+        """Redact and bound the record's message (arguments merged in), its traceback and its stack, in place."""
+        args = record.args
+        if isinstance(args, tuple) and any(isinstance(a, str) and len(a) > ARGUMENT_CHARS for a in args):
+            record.args = tuple(self.redact_within(a, ARGUMENT_CHARS) if isinstance(a, str) else a for a in args)
         try:
             message = record.getMessage()
         except Exception:
             # A call whose arguments do not fit its format: logging reports it later, arguments included.
             message = f"{record.msg} {record.args!r}"
-            record.msg, record.args = self.redact(message), ()
+            record.msg, record.args = self.redact_within(message, MESSAGE_CHARS), ()
         else:
-            redacted = self.redact(message)
+            redacted = self.redact_within(message, MESSAGE_CHARS)
             if redacted != message:
                 record.msg, record.args = redacted, ()
         if record.exc_info and not record.exc_text:
             # Formatted here, as a formatter would, so that exception texts are redacted too.
-            record.exc_text = self.redact(_FORMATTER.formatException(record.exc_info))
+            record.exc_text = self.redact_within(_FORMATTER.formatException(record.exc_info), EXCEPTION_CHARS)
         elif record.exc_text:
-            record.exc_text = self.redact(record.exc_text)
+            record.exc_text = self.redact_within(record.exc_text, EXCEPTION_CHARS)
         if record.stack_info:
-            record.stack_info = self.redact(record.stack_info)
+            record.stack_info = self.redact_within(record.stack_info, EXCEPTION_CHARS)
 
 
 _FORMATTER = logging.Formatter()

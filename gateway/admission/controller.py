@@ -270,7 +270,7 @@ class Admission:
     def _pump(self, arriving: Reservation | None = None) -> None:
         """Expire, then admit from the queue as far as the policy allows; refuse what is forecast to miss its
         deadline (``arriving``, the request just queued, at the rate seen: ``forecast``)."""
-        self._expire()
+        self._expire(arriving)
         self._capacity()  # first: a rebase moves every need
         if arriving is None or self._moved:
             # Only an arrival's pass keeps the projection of the pass before it: an arrival moves nothing it reads
@@ -348,9 +348,13 @@ class Admission:
         retry_after = self._drain.retry_after(position, self._clock())
         return refusals.queue_full(self._settings.max_queue, len(self._in_flight), retry_after)
 
-    def _expire(self) -> None:
+    def _expire(self, arriving: Reservation | None = None) -> None:
+        """Fail the queued requests whose wait is over; never the one arriving, whose pass tries it first (a
+        deadline of a few milliseconds could pass between its queueing and this, on an idle engine)."""
         now = self._clock()
         for r in self._queue.expired(now):
+            if r is arriving:
+                continue
             position, waited = self._queue.position(r), now - self._queue.enqueued_at(r)
             retry_after = self._drain.retry_after(position, now)
             self._fail(r, refusals.timed_out(

@@ -14,7 +14,10 @@ and a figure learned under a load that has gone would otherwise refuse requests 
 
 A request whose deadline leaves it no time to wait is refused as it arrives (503 ``deadline``), and one forecast
 to wait past it is refused at once by the forecast (``forecast``), with a computed ``Retry-After``; one that
-reaches its deadline in the queue all the same gets the same 503.
+reaches its deadline in the queue all the same gets the same 503: a busy engine missed it, and later, less busy,
+it may not. A deadline below ``MIN_DEADLINE_SECONDS`` is another matter: no engine meets it, busy or idle, so
+it is the client's mistake, refused as the request is read (400 naming the header and this floor), not a 503
+that the OpenAI SDKs would retry in vain.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ from typing import Protocol
 WINDOW_SECONDS = 10.0
 MIN_SAMPLES = 4
 QUANTILE = 0.9
+# The shortest deadline a client may give (seconds to a first token). A fixed floor rather than the engine's
+# learned time to a first token: that time depends on the prompt and on the load, and a 400 must hold for the
+# request whatever the engine's state (a client error is not retried), while no engine ever answers within a
+# millisecond: the round trip to it and one step of its model take longer, and vLLM's own API server adds
+# milliseconds before either. Deadlines above it that a busy engine misses stay 503 with Retry-After.
+MIN_DEADLINE_SECONDS = 0.001
 
 
 class Deadlined(Protocol):

@@ -4,10 +4,11 @@ Each engine the gateway guards is a site; a data-parallel engine becomes one sit
 the ranks (the ``engine`` label), as soon as nothing is in flight on it. A request goes to a site where it fits
 now (the site's own policy and books), trying first the site that holds or lately held the longest prefix of its
 prompt (vLLM would skip that prefill there), then the one with the most room left (``--placement headroom``: by
-room alone). With several sites, one that
-is down, hung or stale, or that publishes another block size or prefix-caching mode than the first, takes
-nothing while another can; with one site nothing is filtered (the request path reports its state). An engine
-held for its restart takes nothing at all: its requests wait for another engine, or for it to come back.
+room alone). An engine that takes no new request (down, its own /health failing, or hung: ``usable``, the
+judgement ``/health`` reports) takes nothing, even alone: the request path refuses new requests while no engine
+takes them, and what was queued before waits for an engine to take it. With several sites, one that publishes
+another block size or prefix-caching mode than the first takes nothing while another can. An engine held for
+its restart takes nothing at all: its requests wait for another engine, or for it to come back.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class Sites:
     # -- placement ------------------------------------------------------------------------------------
     def candidates(self, r: Reservation, block_size: int, sharing: bool) -> list[Site]:
         """The sites ``r`` may go to, in the order to try them."""
-        open_sites = [s for s in self._sites if s.target.engine not in self.held]
+        open_sites = [s for s in self._sites if s.target.engine not in self.held and self._usable(s.target.engine)]
         sites = [s for s in open_sites if s.name not in r.avoid] or open_sites
         if len(sites) <= 1:
             return sites
@@ -104,8 +105,6 @@ class Sites:
         return sorted(usable, key=lambda s: (-s.affinity(r), -s.free_blocks()))
 
     def _takes(self, site: Site, block_size: int, sharing: bool) -> bool:
-        if not self._usable(site.target.engine):
-            return False
         cap = site.capacity()
         return (cap is None or cap.block_size == block_size) and site.kv.prefix_sharing() == sharing
 

@@ -3,7 +3,14 @@
 Admission reads live KV usage and preemptions from here; capacity comes from ``vllm:cache_config_info``.
 Scraping is async on a timer; a failed scrape produces a snapshot with ``ok=False`` that keeps the
 engine's static facts (its capacity) so that a short outage does not forget them, while the live fields
-are ``None``. Whoever reads live fields must check :meth:`EngineView.is_stale`. The served models are not
+are ``None``. Whoever reads live fields must check :meth:`EngineView.is_stale`.
+
+Whether the engine answers at all (:meth:`EngineView.answering`, what ``/health`` and admission judge it down by)
+is another question than staleness: ``FAILED_SCRAPES_DOWN`` scrapes failed in a row (refused, an HTTP error, a
+timeout). Not one failure, nor an old snapshot: when the gateway's own loop runs late (a busy host), its scrape's
+timer fires before the answer sitting in the socket is read and every snapshot ages, while the engine was fine;
+the scrape after it, a scrape interval later, tells. An engine killed is down within two scrape intervals; one
+that takes connections and never answers, within two scrape timeouts. The served models are not
 part of a snapshot: ``gateway.engine.models`` holds them, and follows the snapshots to re-read them.
 """
 
@@ -17,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from gateway.engine.queue_cap import QueueCap
 from gateway.engine.vllm_api import EngineMetrics, RankMetrics, parse_metrics
+from gateway.errors import GatewayError
 from gateway.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -25,6 +33,8 @@ Fetch = Callable[[str], Awaitable[tuple[int, bytes]]]
 SnapshotListener = Callable[["EngineSnapshot", "EngineSnapshot"], None]
 
 METRICS_PATH = "/metrics"
+# Scrapes failed in a row that make the engine down (see the module's docstring).
+FAILED_SCRAPES_DOWN = 2
 
 
 @dataclass(frozen=True)
@@ -100,6 +110,8 @@ class EngineView:
         self._sleep = sleep
         self.snapshot: EngineSnapshot = never_scraped(clock())
         self._last_ok_at: float | None = None
+        self.failures = 0  # scrapes failed in a row
+        self.last_failure: str | None = None  # why the latest failed scrape failed
         self._last_preemptions: float | None = None
         self._listeners: list[SnapshotListener] = []
         self._task: asyncio.Task[None] | None = None
@@ -116,6 +128,10 @@ class EngineView:
         age = self.age()
         return age is None or age > self._stale_after
 
+    def answering(self) -> bool:
+        """Whether the engine answers its scrapes: fewer than ``FAILED_SCRAPES_DOWN`` failed in a row."""
+        return self.failures < FAILED_SCRAPES_DOWN
+
     def publish_freshness(self) -> None:
         """Export the age and staleness as of now. A scrape sets them when it ends, so one that hangs (an
         engine that accepts connections and never answers) would otherwise leave them frozen at "fresh"."""
@@ -131,13 +147,17 @@ class EngineView:
                 page = parse_metrics(body.decode("utf-8", "replace"))
             else:
                 log.debug("engine %s answered HTTP %d", METRICS_PATH, status)
+                self.last_failure = f"HTTP {status}"
         except Exception as exc:
             log.debug("engine %s scrape failed: %r", METRICS_PATH, exc)
+            self.last_failure = exc.message if isinstance(exc, GatewayError) else type(exc).__name__
         if page is None:
             new = replace(never_scraped(taken_at), num_gpu_blocks=old.num_gpu_blocks, block_size=old.block_size)
+            self.failures += 1
         else:
             new = snapshot_of(taken_at, page)
             self._last_ok_at = taken_at
+            self.failures = 0
         self.snapshot = new
         if new.preemptions_total is not None:
             self._metrics.record_preemptions(counter_increase(self._last_preemptions, new.preemptions_total))

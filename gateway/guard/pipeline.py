@@ -56,7 +56,7 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
         with trace.stage("parse"):
             req = await offload.run(parse, ctx.route, ctx.body)  # validation walks the whole body
             refuse_while_starting(parts)
-            refuse_while_hung(parts)  # 503 upstream_hung at once (gateway/engine/progress.py)
+            refuse_while_unready(parts)  # 503 at once while /health says no engine is ready
             limits, engine_max_model_len = await engine_limits(parts, req)
         trace.set(request_attributes(req))
         with trace.stage("count"):
@@ -274,11 +274,17 @@ def refuse_while_starting(parts: Parts) -> None:
         )
 
 
-def refuse_while_hung(parts: Parts) -> None:
-    """Refuse at once while every engine is hung (with one engine: while it is)."""
-    engines = parts.every_engine()
-    if all(e.progress.hung for e in engines):
-        engines[0].progress.refuse_if_hung()
+def refuse_while_unready(parts: Parts) -> None:
+    """Proxy mode: refuse at once (503 with Retry-After) while no engine takes requests, by the judgement that
+    ``/health`` reports (``Engine.refusal``: down, its own /health failing, or hung); managed engines are their
+    supervisors' (``refuse_while_starting``)."""
+    if parts.every_supervisor():
+        return
+    first, *_ = engines = parts.every_engine()
+    if not any(e.usable() and e.serves_like(first) for e in engines):
+        refusal = first.refusal()  # never None here: the first serves like itself
+        if refusal is not None:
+            raise refusal
 
 
 def failover(parts: Parts, exc: GatewayError) -> bool:

@@ -32,8 +32,9 @@ class UpstreamStatus(TypedDict):
 
 
 def engine_state(engine: Engine[Models]) -> str:
-    """A proxied engine's state: ready, down (unreachable, or its metrics stale) or hung."""
-    if engine.models.cached is None or not engine.is_fresh():
+    """A proxied engine's state: ready, down (no model listing yet, its scrapes failing, or its own /health
+    answering 5xx) or hung; admission follows the same judgement (``Engine.refusal``)."""
+    if engine.models.cached is None or engine.down():
         return str(EngineLifecycle.DOWN)
     return HUNG if engine.progress.hung else str(EngineLifecycle.READY)
 

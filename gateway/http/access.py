@@ -9,7 +9,6 @@ seconds and would bury the requests that matter.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -18,19 +17,18 @@ from gateway.errors import GatewayError
 from gateway.guard.context import RequestContext
 from gateway.http.errors import status_and_type
 from gateway.observe.access_log import AccessLog, AccessRecord
+from gateway.observe.tracing import trace_id_of_traceparent
 
 # The fields a client states its output limit in, by route family (gateway/guard/protocol.py reads the same).
 ASKED_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 def trace_id_of(ctx: RequestContext | None, headers: Mapping[str, str]) -> str | None:
     """The request's trace id: the gateway's own trace's while tracing is on, else the caller's, from its W3C
-    ``traceparent``; None when neither says."""
+    ``traceparent`` when that is valid (``tracing.trace_id_of_traceparent``); None when neither says."""
     if ctx is not None and (own := ctx.trace.trace_id()) is not None:
         return own
-    match = _TRACEPARENT.match(headers.get("traceparent", ""))
-    return match.group(1) if match is not None and match.group(1) != "0" * 32 else None
+    return trace_id_of_traceparent(headers.get("traceparent"))
 
 
 def asked_max_tokens(body: Mapping[str, Any]) -> int | None:

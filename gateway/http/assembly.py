@@ -16,6 +16,7 @@ from gateway.admission.engine_control import EngineControl
 from gateway.config import Settings
 from gateway.engine.client import Upstream
 from gateway.engine.engine import Engine
+from gateway.engine.health import EngineHealth
 from gateway.engine.live import EngineSnapshot, EngineView
 from gateway.engine.progress import ProgressDetector, completion_probe
 from gateway.errors import ConfigInvalid, GatewayError
@@ -73,9 +74,11 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
             await _read_models_once(each)
         check_same_model(engines)
         for each in engines:
-            # Proxy mode only: a managed engine's hang is the supervisor's watchdog's, cured by a restart.
+            # Proxy mode only: a managed engine's hang and health are the supervisor's, cured by a restart.
             await each.progress.start()
             stack.push_async_callback(each.progress.stop)
+            await each.health.start()
+            stack.push_async_callback(each.health.stop)
     for each in engines:
         await each.view.start()
         stack.push_async_callback(each.view.stop)
@@ -111,10 +114,13 @@ async def build_engine(
     models = Models(settings, client, metrics, executor)
     stack.push_async_callback(models.templates.close)
     stack.push_async_callback(models.close)
+    health = EngineHealth(client.get)
     if supervisor is None:
 
         def on_snapshot(old: EngineSnapshot, new: EngineSnapshot) -> None:
-            metrics.set_upstream_state(EngineLifecycle.READY if new.ok else EngineLifecycle.DOWN)
+            # As /health judges it (Engine.down): one failed scrape is not yet down.
+            up = view.answering() and not health.unhealthy
+            metrics.set_upstream_state(EngineLifecycle.READY if up else EngineLifecycle.DOWN)
 
         view.on_snapshot(on_snapshot)
     # An engine back from an outage may serve another context length (a restart, an auto-fit).
@@ -122,7 +128,7 @@ async def build_engine(
     progress = ProgressDetector(settings.hang_timeout, metrics=metrics)
     progress.probe = lambda timeout: completion_probe(client, _served_model(models), timeout)
     view.on_snapshot(progress.observe)
-    return Engine(client, models, view, progress, view.queue_cap)
+    return Engine(client, models, view, progress, view.queue_cap, health=health)
 
 
 def _served_model(models: Models) -> str | None:

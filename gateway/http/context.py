@@ -10,6 +10,7 @@ import uuid
 
 from starlette.requests import Request
 
+from gateway.admission.deadlines import MIN_DEADLINE_SECONDS
 from gateway.config import PromptOverflowPolicy, Settings
 from gateway.errors import InvalidRequest
 from gateway.guard import offload
@@ -19,8 +20,10 @@ from gateway.http.auth import Caller, identify
 from gateway.http.body import BodyLimits, read_body
 from gateway.observe.tracing import carrier_of
 
-# (header, seconds per unit, the most accepted in its units): a day at most, as ms and as seconds.
-_DEADLINE_HEADERS = (("x-guard-deadline-ms", 0.001, 86_400_000.0), ("x-stainless-read-timeout", 1.0, 86_400.0))
+# (header, seconds per unit, its unit, the most accepted in its units): a day at most, as ms and as seconds.
+_DEADLINE_HEADERS = (
+    ("x-guard-deadline-ms", 0.001, "ms", 86_400_000.0), ("x-stainless-read-timeout", 1.0, "s", 86_400.0),
+)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 # Request ids: one random prefix per process plus a counter. uuid4() reads os.urandom, which was measured
@@ -71,15 +74,16 @@ def priority(settings: Settings, request: Request, key: str | None, default: int
 def deadline(request: Request) -> float | None:
     """Seconds the client gives the request: the earlier of ``x-guard-deadline-ms`` and the OpenAI SDKs'
     ``x-stainless-read-timeout`` (seconds; a client that gives up then gains nothing from a later first token).
-    A value that is not a positive number within bounds is a 400 naming the header."""
+    A value that is not a positive number within bounds, or one below the least any engine can meet
+    (``deadlines.MIN_DEADLINE_SECONDS``), is a 400 naming the header."""
     found = [
-        seconds for header, scale, most in _DEADLINE_HEADERS
-        if (seconds := _header_seconds(request, header, scale, most)) is not None
+        seconds for header, scale, unit, most in _DEADLINE_HEADERS
+        if (seconds := _header_seconds(request, header, scale, unit, most)) is not None
     ]
     return min(found, default=None)
 
 
-def _header_seconds(request: Request, header: str, scale: float, most: float) -> float | None:
+def _header_seconds(request: Request, header: str, scale: float, unit: str, most: float) -> float | None:
     raw = request.headers.get(header)
     if raw is None:
         return None
@@ -90,6 +94,14 @@ def _header_seconds(request: Request, header: str, scale: float, most: float) ->
     if not 0 < value <= most:  # NaN fails too
         raise InvalidRequest(
             f"{header} must be a number above 0 and at most {most:g}; got {raw[:32]!r}.", param=header
+        )
+    if value * scale < MIN_DEADLINE_SECONDS:
+        floor = MIN_DEADLINE_SECONDS / scale
+        raise InvalidRequest(
+            f"{header} is {raw[:32]} {unit}, below the least any engine can meet: {floor:g} {unit} to a first "
+            f"token (the round trip to the engine and one step of its model take longer). Give the request "
+            f"{floor:g} {unit} or more; retrying as it is cannot succeed.",
+            param=header, code="deadline_too_short",
         )
     return value * scale
 

@@ -5,8 +5,9 @@ and number, answers parse errors in plain text (``Content-Length: 10^20`` includ
 connections only through ``limit_concurrency``, whose answer is plain text too. ``GuardProtocol`` adds, per
 connection and at no per-request cost beyond a few attribute updates:
 
-- an idle timeout from the connection's opening or its last response (closed silently), a header timeout
-  from a request's first byte to the end of its headers (408), bounds on the header bytes and count (431);
+- an idle timeout from the connection's last response, or its opening (closed silently), a header timeout
+  from a request's first byte to the end of its headers (408), bounds on the header bytes and count (431); a
+  deadline that passes while the client's bytes wait unread (the loop ran late) is judged once they are read;
 - a ``Content-Length`` above ``--max-body-bytes``, absurd ones included, refused before the app runs (413),
   and a cap on open connections (503 with ``Retry-After``);
 - every refusal in OpenAI's JSON shape with ``connection: close``, then a lingering close so that a client
@@ -59,6 +60,11 @@ log = logging.getLogger(__name__)
 # uploading (a 413, or the app's answer while its body arrived) keeps it longer while it sends, within the
 # body's rule counted from the answer: the body timeout in all, the minimum rate after the grace.
 LINGER = 1.0
+# A header or body deadline that passes while the client's bytes wait unread is judged again this long after,
+# once: the loop reads them first. uvloop runs the timers due before it polls for reads, so a loop that ran late
+# (a busy host) saw deadlines pass over bytes that came in time (a 408 seen under load); any delay above zero
+# puts the next poll before the timer.
+LATE_READ = 0.01
 
 # Connection phases: what the one timer means when it fires.
 _IDLE, _HEAD, _BODY, _BUSY, _CLOSING = range(5)
@@ -78,7 +84,7 @@ class GuardProtocol(HttpToolsProtocol):
     # and every attribute access of the protocol, uvicorn's included, got slower (measured: +5 us a request).
     __slots__ = (
         "_begin_read_len", "_body_raw", "_body_start", "_content_length", "_deadline", "_deferred", "_head_raw",
-        "_messages", "_phase", "_read_len", "_refusal", "_stall", "_timer", "_timer_at", "_uploading",
+        "_late_read", "_messages", "_phase", "_read_len", "_refusal", "_stall", "_timer", "_timer_at", "_uploading",
     )
 
     def __init__(
@@ -103,6 +109,7 @@ class GuardProtocol(HttpToolsProtocol):
         self._refusal: GatewayError | None = None
         self._deferred: GatewayError | None = None  # a refusal waiting for the answer before it
         self._uploading = False  # lingering, the client was sending a body: its bytes extend the linger
+        self._late_read = False  # the current head's or body's deadline was deferred for unread bytes (once)
         self._stall = WriteStall(self.loop, self.limits.write_timeout)
 
     # -- the one timer ----------------------------------------------------------------------------
@@ -124,7 +131,11 @@ class GuardProtocol(HttpToolsProtocol):
             self._timer = self.loop.call_at(deadline, self._on_timer)
             self._timer_at = deadline
             return
-        if self._phase == _HEAD:
+        if self._phase in (_HEAD, _BODY) and not self._late_read and unread(self.transport):
+            # The loop ran late, and bytes that may have come in time wait unread: judged once they are read.
+            self._late_read = True
+            self._arm(self._phase, self.loop.time() + LATE_READ)
+        elif self._phase == _HEAD:
             seconds = self.limits.header_timeout
             self._refuse(RequestTimeout(f"The request line and headers did not arrive within {seconds:g} seconds."))
         elif self._phase == _BODY:
@@ -155,7 +166,8 @@ class GuardProtocol(HttpToolsProtocol):
                 f"The gateway has its limit of {limit} connections open; retry shortly.", retry_after=1
             ))
             return
-        self._arm(_IDLE, self.loop.time() + self.limits.keep_alive_timeout)
+        # A pool opens a connection to send on it at once: the long keep-alive is for those kept after an answer.
+        self._arm(_IDLE, self.loop.time() + min(self.limits.keep_alive_timeout, self.limits.header_timeout))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._timer is not None:
@@ -224,6 +236,7 @@ class GuardProtocol(HttpToolsProtocol):
         self._begin_read_len = self._read_len
         self._messages += 1
         self._content_length = None
+        self._late_read = False
         self._arm(_HEAD, self.loop.time() + self.limits.header_timeout)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -260,7 +273,7 @@ class GuardProtocol(HttpToolsProtocol):
         # Until the body is whole (data_received sees it), the body's limits hold.
         now = self.loop.time()
         self._body_start = now
-        self._body_raw = 0
+        self._body_raw, self._late_read = 0, False
         self._arm(_BODY, now + self._body_first)
 
     def _refuse_head(self, error: GatewayError) -> NoReturn:

@@ -7,12 +7,23 @@ on their own logger, ``vllm_guard.access``, so that operators route them like an
 redaction (``gateway/redact.py``) applies to them as to every record. Nothing here knows who the caller is
 beyond its tenant's name: a key never reaches a record.
 
+**Every field is bounded**, whatever the request: a text value longer than ``clip.FIELD_CHARS`` (256) characters
+is written in ``gateway/clip.py``'s cut form (its start, then ``...[cut: <length> chars, <hash>]``), so a line
+is at most a few KiB and costs the same to write whatever a client sent (a model name of 8 MiB made an 8 MB line
+and held the event loop 1.3-2.5 s escaping it). A line is one line for every reader: ``text`` escapes every
+character that is not printable, ``json`` the Unicode line breaks JSON allows raw (U+0085, U+2028, U+2029) and
+that log shippers splitting on Unicode line breaks would cut a record at.
+
 Unless logging already routes that logger, ``install_default_handler`` writes it to standard output through a
 queue: the request path only puts the record on the queue, and a thread writes it, so a slow reader of the
-gateway's output (a full pipe to a log shipper) never holds the event loop. Measured on the shared 2-core test
-machine (load 9-11), 3 runs of 10,000 records to a pipe read at once: 30-58 us a record on the caller queued,
-38-47 us written directly (23 us of either is formatting the line); with the pipe's reader stalled, 2,000
-queued records took 86 ms on the caller, while the direct handler was still blocked in its write after 2 s.
+gateway's output (a full pipe to a log shipper) never holds the event loop. The line is formatted on the caller,
+bounded: moved to the writer thread it would still hold the same GIL (and the process-wide redaction formats
+every record as it is made). Measured with ``bench/access_log_cost.py`` on the shared 2-core test machine, 3 runs
+each, the caller's cost per record: before the bound (load 2-3), an ordinary record 80-147 us, an 8 MiB model
+name 1.3-1.6 s (text) and 0.32-0.37 s (json); with it (load 5-9), an ordinary record 95-200 us, a 1 MiB or 8 MiB
+model name 130-740 us in either format (formatting such a record alone: 40-50 us). With the pipe's reader
+stalled, 2,000 queued records took 86 ms on the caller, while the direct handler was still blocked in its write
+after 2 s.
 """
 
 from __future__ import annotations
@@ -20,12 +31,15 @@ from __future__ import annotations
 import logging
 import logging.handlers
 import queue
+import re
 import sys
 import time
 from dataclasses import dataclass
 from typing import IO, Literal
 
 import orjson
+
+from gateway.clip import clip
 
 LOGGER_NAME = "vllm_guard.access"
 AccessLogFormat = Literal["text", "json", "off"]
@@ -70,7 +84,10 @@ _MS = ("queue_ms", "ttft_ms", "duration_ms")
 
 def _values(record: AccessRecord) -> dict[str, object]:
     # Field by field rather than dataclasses.asdict, which deep-copies: measured 5x the cost of the whole line.
-    values: dict[str, object] = {name: getattr(record, name) for name in FIELDS}
+    # Every text field clipped here, whoever filled the record: what a client sent is bounded on every path.
+    values: dict[str, object] = {
+        name: clip(value) if isinstance(value := getattr(record, name), str) else value for name in FIELDS
+    }
     values["time"] = iso_time(record.time)
     for key in _MS:
         value = values[key]
@@ -79,12 +96,29 @@ def _values(record: AccessRecord) -> dict[str, object]:
     return values
 
 
+# Unicode line breaks that JSON may carry raw (orjson writes them so) and that shippers splitting on Unicode line
+# breaks (Python's str.splitlines, JavaScript's line terminators) would cut a record at. JSON escapes the rest.
+_JSON_BREAKS = re.compile("[\u0085\u2028\u2029]")
+
+
 def format_json(record: AccessRecord) -> str:
-    return orjson.dumps(_values(record)).decode()
+    line = orjson.dumps(_values(record)).decode()
+    # Such a character can only stand inside a JSON string, where its \u escape means the same.
+    return _JSON_BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", line) if _JSON_BREAKS.search(line) else line
 
 
-_PLAIN = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.:/+@,;")
+_PLAIN = re.compile(r"[A-Za-z0-9\-_.:/+@,;]+")
+# A character that needs quoting's escape: the quote, the backslash, and every one that is not printable.
+_SPECIAL = re.compile(r'["\\]|[^\x20-\x7e]')
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _escape(match: re.Match[str]) -> str:
+    c = match.group()
+    if (escape := _ESCAPES.get(c)) is not None:
+        return escape
+    code = ord(c)
+    return c if c.isprintable() else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def quote(value: object) -> str:
@@ -92,10 +126,11 @@ def quote(value: object) -> str:
     if value is None:
         return ""
     text = str(value)
-    if text and all(c in _PLAIN for c in text):
+    if _PLAIN.fullmatch(text):
         return text
-    escaped = "".join(_ESCAPES.get(c, c if c.isprintable() else f"\\u{ord(c):04x}") for c in text)
-    return f'"{escaped}"'
+    if text.isprintable():  # most values with a space or a letter beyond ASCII: escaped in C
+        return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f'"{_SPECIAL.sub(_escape, text)}"'
 
 
 def format_text(record: AccessRecord) -> str:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import re
 import time
+import traceback
 from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
@@ -29,6 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from gateway import __version__
+from gateway.clip import clip
 from gateway.errors import GatewayError
 from gateway.observe.tracing import OPERATIONS, AttrValue, Generated, RequestTrace, Tracing
 
@@ -36,6 +38,8 @@ SCOPE = "vllm_guard"
 # A stream's events that may carry what the request's span reports at its end (the last chunks).
 _FINISH_REASON = re.compile(rb'"finish_reason":\s*"([A-Za-z_]+)"')
 _USAGE = re.compile(rb'"usage":\s*\{')
+# An exception's message and stack trace on a span (``exception`` event): bounded like every attribute, larger.
+EXCEPTION_CHARS = 8192
 
 
 class OtelTracing(Tracing):
@@ -103,10 +107,11 @@ class OtelRequestTrace(RequestTrace):
             stage[0].end()
 
     def set(self, attributes: Mapping[str, AttrValue | None]) -> None:
-        self._span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+        # Every text clipped (gateway/clip.py): a model name is the client's, up to the body limit in size.
+        self._span.set_attributes({k: bounded(v) for k, v in attributes.items() if v is not None})
         model = attributes.get("gen_ai.request.model")
         if isinstance(model, str):  # GenAI's span name: "{gen_ai.operation.name} {gen_ai.request.model}"
-            self._span.update_name(f"{self._operation} {model}")
+            self._span.update_name(f"{self._operation} {clip(model)}")
 
     def admitting(self) -> None:
         self._admitting = time.time_ns()
@@ -205,7 +210,7 @@ class OtelRequestTrace(RequestTrace):
     def _finish_reasons(self, reasons: list[Any]) -> None:
         known = [r for r in reasons if isinstance(r, str)]
         if known:
-            self._span.set_attribute("gen_ai.response.finish_reasons", known)
+            self._span.set_attribute("gen_ai.response.finish_reasons", bounded(known))
 
     def fail(self, exc: BaseException) -> None:
         self._outcome = "cancelled" if isinstance(exc, asyncio.CancelledError) else "error"
@@ -230,13 +235,30 @@ def _failed(span: Span, exc: BaseException) -> None:
         span.set_attribute("vllm_guard.cancelled", True)
         return
     if isinstance(exc, GatewayError):
-        span.set_attributes({"error.type": exc.code or type(exc).__name__, "vllm_guard.refusal": exc.reason or ""})
-        if not exc.client_fault:
-            span.set_status(Status(StatusCode.ERROR, exc.message))
+        span.set_attributes({
+            "error.type": clip(exc.code or type(exc).__name__), "vllm_guard.refusal": clip(exc.reason or ""),
+        })
+        if not exc.client_fault:  # an engine's message may quote what the client sent
+            span.set_status(Status(StatusCode.ERROR, clip(exc.message, EXCEPTION_CHARS)))
         return
+    message = clip(str(exc), EXCEPTION_CHARS)
     span.set_attribute("error.type", type(exc).__qualname__)
-    span.record_exception(exc)
-    span.set_status(Status(StatusCode.ERROR, str(exc)))
+    # The SDK's record_exception, with its message and stack trace bounded.
+    module, name = type(exc).__module__, type(exc).__qualname__
+    span.add_event("exception", {
+        "exception.type": f"{module}.{name}" if module and module != "builtins" else name, "exception.message": message,
+        "exception.stacktrace": clip("".join(traceback.format_exception(exc)), EXCEPTION_CHARS),
+    })
+    span.set_status(Status(StatusCode.ERROR, message))
+
+
+def bounded(value: AttrValue) -> AttrValue:
+    """An attribute's value with its text clipped (a list: each item, and at most 128 of them)."""
+    if isinstance(value, str):
+        return clip(value)
+    if isinstance(value, (bool, int, float)):
+        return value
+    return [clip(item) for item in value[:128]]
 
 
 def _choices(data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ are under ``vllm_guard.*`` (docs/tracing.md lists them).
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -120,6 +121,52 @@ def start_tracing(settings: Settings) -> Tracing:
     return OtelTracing(url)
 
 
+# W3C Trace Context (www.w3.org/TR/trace-context/#traceparent-header): version "-" trace-id "-" parent-id "-"
+# trace-flags, each lowercase hex of 2, 32, 16 and 2 digits. Version 00 is exactly that (55 characters); a later
+# version may add fields after a "-", which a reader of version 00 skips; version ff is invalid, and so is a
+# trace-id or parent-id of zeros only.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}(-.*)?", re.DOTALL)
+_ZERO_TRACE, _ZERO_PARENT = "0" * 32, "0" * 16
+# tracestate: what the spec asks to propagate at least (characters, commas included); past it, whole entries are
+# dropped, those over 128 characters first, then from the end (www.w3.org/TR/trace-context/#tracestate-limits).
+TRACESTATE_CHARS = 512
+_TRACESTATE_ENTRY_CHARS = 128
+
+
+def trace_id_of_traceparent(value: str | None) -> str | None:
+    """The trace id of a valid W3C ``traceparent``; None for any other value (absent, malformed, trailing
+    characters on version 00, version ff, zero ids)."""
+    match = _TRACEPARENT.fullmatch(value) if value is not None and len(value) >= 55 else None
+    if match is None:
+        return None
+    version, trace_id, parent_id, extra = match.groups()
+    if version == "ff" or (version == "00" and extra is not None):
+        return None
+    return None if trace_id == _ZERO_TRACE or parent_id == _ZERO_PARENT else trace_id
+
+
+def tracestate_within(value: str) -> str:
+    """``tracestate`` within ``TRACESTATE_CHARS``, whole entries dropped as the spec says when it is longer."""
+    if len(value) <= TRACESTATE_CHARS:
+        return value
+    kept: list[str] = []
+    size = -1  # the commas between entries: one fewer than the entries
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry or len(entry) > _TRACESTATE_ENTRY_CHARS:
+            continue
+        if size + 1 + len(entry) > TRACESTATE_CHARS:
+            break  # this one and every later one: dropped from the end
+        kept.append(entry)
+        size += 1 + len(entry)
+    return ",".join(kept)
+
+
 def carrier_of(headers: Mapping[str, str]) -> dict[str, str]:
-    """The W3C trace headers of a request, the only ones a trace is continued from."""
-    return {name: value for name in TRACE_HEADERS if (value := headers.get(name)) is not None}
+    """The W3C trace headers of a request, the only ones a trace is continued from: a valid ``traceparent``
+    only (else none: the gateway's trace starts anew, and the engine gets no malformed header from it), and
+    its ``tracestate`` (meaningless without it, the spec says) within ``TRACESTATE_CHARS``."""
+    parent = headers.get("traceparent")
+    if trace_id_of_traceparent(parent) is None or parent is None:
+        return {}
+    state = headers.get("tracestate")
+    return {"traceparent": parent} if not state else {"traceparent": parent, "tracestate": tracestate_within(state)}

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import shlex
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import httpx
 import orjson
 import pytest
 
+from gateway.clip import digest
 from gateway.config import Settings
 from gateway.observe.access_log import FIELDS, LOGGER_NAME, AccessLog
 from gateway.redact import SecretRedactor, install_log_redaction
@@ -79,6 +81,8 @@ CASES = [
     Case("prompt over the context", completion(prompt="word " * 600, max_tokens=4), {
         "status": 400, "outcome": "refused", "reason": "context_length", "engine": None, "completion_tokens": None,
     }),
+    Case("a malformed traceparent", completion(), {"status": 200, "trace_id": None},
+         headers={**AUTH, "traceparent": f"00-{TRACE}-00f067aa0ba902b7-01garbage"}),
     Case("wrong key", completion(), {
         "status": 401, "outcome": "refused", "reason": "auth", "tenant": None, "model": None, "prompt_tokens": None,
     }, headers={"authorization": f"Bearer {WRONG_KEY}"}),
@@ -189,3 +193,47 @@ def test_off_writes_nothing(rig: tuple[SimServer, GatewayServer], caplog: pytest
     assert httpx.post(gw.url + "/v1/completions", json=completion(), headers=AUTH).status_code == 200
     gw.wait_ledger_empty()
     assert lines_of(caplog) == []
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_a_model_name_of_megabytes_is_logged_cut_and_holds_no_request_back(
+    rig: tuple[SimServer, GatewayServer], caplog: pytest.LogCaptureFixture, fmt: str,
+) -> None:
+    """A chat whose model is ~8 MiB of text (under --max-body-bytes) is answered 404; its line was 8 MB long and
+    held the event loop 2.55 s (text: escaped a character at a time), /health and every stream with it. Now the
+    line is a few hundred characters and /health answers meanwhile as it does any time."""
+    _, gw = rig
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    gw.parts.access_log = AccessLog("text" if fmt == "text" else "json")
+    # Quotes and '=' to escape, a letter beyond ASCII: 6 bytes of JSON each 4 characters, ~7.9 MiB in all.
+    model = "m\u00e9\"=" * (1300 * 1024)
+    chat = orjson.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert len(chat) < Settings().max_body_bytes
+    slowest, stop = [0.0], threading.Event()
+
+    def watch_health() -> None:
+        with httpx.Client(base_url=gw.url, timeout=30) as client:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                client.get("/health")
+                slowest[0] = max(slowest[0], time.monotonic() - t0)
+                time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch_health, daemon=True)
+    watcher.start()
+    try:
+        time.sleep(0.2)  # the watcher's connection is open and warm
+        answer = httpx.post(gw.url + "/v1/chat/completions", content=chat,
+                            headers={**AUTH, "content-type": "application/json"}, timeout=60)
+        wait_for(lambda: len(lines_of(caplog)) >= 1, "the request's line is written")
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert answer.status_code == 404, answer.text[:200]
+    [line] = lines_of(caplog)
+    assert len(line) < 2048, len(line)
+    logged = parse(line, fmt)["model"]
+    assert isinstance(logged, str)
+    assert logged.endswith(f"...[cut: {len(model)} chars, {digest(model)}]") and model.startswith(logged[:100])
+    assert slowest[0] < 1.0, f"/health took {slowest[0]:.2f} s while the request was logged"

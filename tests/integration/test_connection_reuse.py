@@ -121,3 +121,49 @@ async def test_a_request_sent_within_the_keep_alive_is_answered_when_the_gateway
         assert answer.status == 200, answer.body[:300]
     finally:
         await close_writer(conn.writer)
+
+
+HEADER_TIMEOUT = 1.5  # --header-timeout for the late-read cases below
+BODY_GRACE, BODY_RATE = 0.5, 1000.0  # a body's deadline: 0.5 s, then 1 s more for each 1,000 bytes that came
+
+
+@pytest.mark.parametrize("loop_factory", [asyncio.new_event_loop, uvloop.new_event_loop], ids=["asyncio", "uvloop"])
+@pytest.mark.parametrize(
+    ("phase", "first", "hold_at"),
+    [
+        # The request line's first bytes, then the rest of the head 1.1 s later (0.4 s before the header
+        # deadline), while the loop is held up from 0.9 s to 2.1 s (0.6 s past the deadline).
+        ("head", 20, 0.9),
+        # The head and 1,000 bytes of the body (deadline 1.5 s), then the rest of the body 0.9 s later, while the
+        # loop is held up from 0.7 s to 2.1 s.
+        ("body", 1000, 0.7),
+    ],
+)
+async def test_a_deadline_that_passes_while_the_clients_bytes_wait_unread_is_judged_after_reading_them(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer],
+    loop_factory: Callable[[], asyncio.AbstractEventLoop], phase: str, first: int, hold_at: float,
+) -> None:
+    """A busy gateway's loop runs its due timers before it reads (uvloop): the header timeout fired over a head
+    that had come in time, and the client got a 408 (seen once under an overload beside a CPU hog)."""
+    gw = make_gateway(
+        make_sim(), header_timeout=HEADER_TIMEOUT, min_body_rate=BODY_RATE, body_rate_grace=BODY_GRACE,
+        loop_factory=loop_factory,
+    )
+    body = json.dumps(completion(16, 8)).encode() + b" " * 3000  # JSON's own whitespace: 3 s of body time
+    data = request_bytes("POST", "/v1/completions", {"content-type": "application/json"}, body)
+    if phase == "body":
+        first += data.index(b"\r\n\r\n") + 4
+    reader, writer = await asyncio.open_connection(*host_port(gw.url))
+    try:
+        with holding(gw, 2.1 - hold_at) as hold:
+            writer.write(data[:first])
+            await writer.drain()
+            await asyncio.sleep(hold_at)
+            hold()
+            await asyncio.sleep(0.2)
+            writer.write(data[first:])  # before the deadline, while the gateway's loop is held up
+            await writer.drain()
+            answer = await asyncio.wait_for(read_response(reader), 10)
+        assert answer is not None and answer.status == 200, answer
+    finally:
+        await close_writer(writer)

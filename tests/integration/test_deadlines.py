@@ -57,6 +57,36 @@ async def test_a_bad_deadline_header_is_a_400_naming_it(
     assert (error["type"], error["param"]) == ("invalid_request_error", "x-guard-deadline-ms")
 
 
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({"x-guard-deadline-ms": "0.0001"}, 400, "deadline_too_short"),
+        ({"x-stainless-read-timeout": "0.0001"}, 400, "deadline_too_short"),
+        ({"x-guard-deadline-ms": "0.5", "x-stainless-read-timeout": "600"}, 400, "deadline_too_short"),
+        ({"x-guard-deadline-ms": "1"}, 200, None),  # at the floor: an idle engine takes it at once
+        ({"x-stainless-read-timeout": "0.001"}, 200, None),
+    ],
+    ids=["0.0001 ms", "0.0001 s read timeout", "0.5 ms beside the SDK's own", "1 ms", "1 ms read timeout"],
+)
+async def test_a_deadline_no_engine_can_meet_is_a_400_naming_the_header_and_the_floor_even_on_an_idle_engine(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer], headers: dict[str, str],
+    status: int, code: str | None,
+) -> None:
+    """A 503 said "retry later" to a deadline of 0.0001 ms on an idle engine; the OpenAI SDKs retried it in vain."""
+    sim = make_sim()
+    gw = make_gateway(sim)
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        r = await client.post(gw.url + "/v1/completions", json=completion(16, 8), headers=headers)
+    assert r.status_code == status, r.text
+    if code is None:
+        return
+    error = r.json()["error"]
+    header = next(iter(headers))
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, header)
+    assert "the least any engine can meet" in error["message"] and "retry-after" not in r.headers
+    assert sim.sim.request_count == 0  # it never reached the engine
+
+
 async def test_under_sustained_overload_the_ttft_objective_keeps_admitted_requests_within_it(
     rig: Callable[..., GatewayServer],
 ) -> None:

@@ -304,7 +304,8 @@ def misbehaving_upstream(mode: str) -> Iterator[str]:
     [
         ("refuses", 503, "upstream_unavailable"),
         ("closes", 503, "upstream_unavailable"),
-        ("garbage", 502, "bad_upstream_response"),
+        # Its scrapes fail too: /health says down, and the request is refused with why, not sent.
+        ("garbage", 503, "upstream_unavailable"),
         ("cuts", 503, "upstream_unavailable"),
         ("rejects", 503, "upstream_unavailable"),
     ],

@@ -26,7 +26,7 @@ from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 # Small bounds so that no test waits long.
 HEADER_BYTES = 4096
 HEADERS = 20
-HEADER_TIMEOUT = 0.3
+HEADER_TIMEOUT = 0.6  # as long as KEEP_ALIVE: a fresh connection waits for its first request min(both)
 KEEP_ALIVE = 0.6  # well past BODY_GRACE: a test sleeps past the body deadline on a kept-alive connection
 BODY_BYTES = 64 * 1024
 BODY_TIMEOUT = 1.0
@@ -321,6 +321,22 @@ def test_a_connection_idle_after_its_response_is_closed(gw: GatewayServer) -> No
         sock.sendall(HEALTH)
         assert read_reply(sock).status == 200
         assert closes_within(sock, KEEP_ALIVE) == b""
+
+
+def test_with_a_long_keep_alive_a_fresh_connection_still_sends_its_request_within_the_header_timeout(
+    sim: SimServer, tokenizer_dir: Path
+) -> None:
+    """The keep-alive outlasts the clients' pools (120 s by default) for connections kept after an answer; one
+    just opened that sends nothing is closed after --header-timeout, as a slow head would be."""
+    with run_gateway(limited_settings(tokenizer_dir, sim, keep_alive_timeout=120.0)) as gw:
+        with connect(gw) as fresh:
+            assert closes_within(fresh, HEADER_TIMEOUT) == b""
+        with connect(gw) as kept:
+            kept.sendall(HEALTH)
+            assert read_reply(kept).status == 200
+            time.sleep(2 * HEADER_TIMEOUT)  # idle past the header timeout, well within the keep-alive
+            kept.sendall(HEALTH)
+            assert read_reply(kept).status == 200
 
 
 SLOW = [

@@ -54,6 +54,8 @@ class SimConfig:
     # samples each choice on its own, so they end apart. None: every choice draws the request's ``stop_early``.
     stop_early_choice: Callable[[int, int, int], int] | None = None
     fault: Fault | None = None
+    # What /metrics answers other than its page (500: an API server whose metrics fail); None: the page.
+    metrics_status: int | None = None
     fault_delay: float = 1.0
     fault_after_chunks: int = 2
     # vLLM refuses tool_choice "auto" unless started with --enable-auto-tool-choice --tool-call-parser.

@@ -86,3 +86,25 @@ def test_a_config_file_must_hold_a_mapping(tmp_path: Path) -> None:
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match="mapping"):
         load_config_file(path)
+
+
+def _pool_seconds(client: str) -> float:
+    """How long a client keeps an idle connection in its pool by default, read from the installed library where
+    it says (httpx, the OpenAI SDK's own limits), else from its documentation."""
+    if client == "httpx":
+        import httpx
+
+        return float(httpx.Limits().keepalive_expiry or 0.0)
+    if client == "the OpenAI SDK":
+        from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+        return float(DEFAULT_CONNECTION_LIMITS.keepalive_expiry or 0.0)
+    # aiohttp's TCPConnector keepalive_timeout, nginx's upstream keepalive_timeout, Go's DefaultTransport
+    return {"aiohttp": 15.0, "nginx upstream": 60.0, "Go net/http": 90.0}[client]
+
+
+@pytest.mark.parametrize("client", ["httpx", "the OpenAI SDK", "aiohttp", "nginx upstream", "Go net/http"])
+def test_the_idle_keep_alive_outlasts_the_clients_pools_so_the_client_always_closes_first(client: str) -> None:
+    """A server that closes an idle connection as a client sends on it loses that request (the 5 s default
+    raced every pool that keeps connections longer: aiohttp, nginx, Go)."""
+    assert Settings().keep_alive_timeout > _pool_seconds(client) > 0

@@ -159,15 +159,25 @@ async def test_without_prefix_keys_affinity_plays_no_part() -> None:
         ({0, 1, 2}, ["1", "2", "0"]),
         ({0, 2}, ["2", "0"]),
         ({0}, ["0"]),
-        (set(), ["1", "2", "0"]),
+        (set(), []),
     ],
-    ids=["all up", "one down", "only the smallest up", "none up: every site, most room first"],
+    ids=["all up", "one down", "only the smallest up", "none up: none (what is queued waits for one)"],
 )
 async def test_engines_that_cannot_take_requests_are_skipped_while_another_can(
     usable: set[int], order: list[str]
 ) -> None:
     pool = Pool(3)
     await pool.scrape(100, 200, 150)
+    pool.usable = usable
+    assert pool.order(pool.req()) == order
+
+
+@pytest.mark.parametrize(("usable", "order"), [({0}, ["0"]), (set(), [])], ids=["up", "down, hung or unhealthy"])
+async def test_a_lone_engine_that_takes_no_request_is_given_none(usable: set[int], order: list[str]) -> None:
+    """What /health says of the engine, admission follows: a request queued before the engine was seen down or
+    hung is not sent into it (it was, with one engine, before)."""
+    pool = Pool(1)
+    await pool.scrape(100)
     pool.usable = usable
     assert pool.order(pool.req()) == order
 
@@ -211,10 +221,9 @@ async def test_a_request_avoids_the_engines_it_failed_on(avoid: set[str], order:
     assert pool.order(pool.req(avoid=frozenset(avoid))) == order
 
 
-async def test_a_single_site_takes_everything_whatever_its_state() -> None:
+async def test_a_single_site_takes_everything_whatever_its_block_size_caching_or_the_request_avoids() -> None:
     pool = Pool(1, prefix_sharing="auto")
     await pool.scrape(100, block_size=32, prefix_caching=False)
-    pool.usable = set()
     assert pool.order(pool.req(avoid=frozenset({"0"})), block_size=BS, sharing=True) == ["0"]
 
 

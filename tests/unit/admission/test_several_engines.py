@@ -161,11 +161,19 @@ async def test_a_request_waits_rather_than_go_to_an_engine_that_cannot_take_it()
     pool.assert_drained()
 
 
-async def test_with_no_engine_usable_requests_still_go_to_one_with_room() -> None:
+async def test_with_no_engine_usable_a_queued_request_waits_for_one_rather_than_go_into_one() -> None:
+    """What /health says, admission follows: nothing is sent into an engine seen down or hung, even the last one
+    (new requests are refused by the request path meanwhile; one queued before waits, within its deadline)."""
     pool = await engines(10, 12)
     pool.usable = set()
-    r = await pool.admitted(4)
-    assert target(r) == "1"  # the request path reports the engine's state; admission does not strand it
+    r = pool.req(4)
+    waiting = enter(r)
+    await settle()
+    assert not waiting.done()
+    pool.usable = {0}
+    pool.adm.tick()
+    await waiting
+    assert target(r) == "0"
     r.release()
     pool.assert_drained()
 

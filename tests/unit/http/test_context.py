@@ -91,3 +91,32 @@ def test_a_deadline_header_out_of_bounds_is_a_400_naming_it(header: str, raw: st
     with pytest.raises(InvalidRequest, match=f"{header} must be a number above 0") as caught:
         deadline(request(**{header.replace("-", "_"): raw}))
     assert caught.value.param == header
+
+
+@pytest.mark.parametrize(
+    ("header", "raw", "floor"),
+    [("x-guard-deadline-ms", "0.0001", "1 ms"), ("x-guard-deadline-ms", "0.999", "1 ms"),
+     ("x-guard-deadline-ms", "1e-9", "1 ms"), ("x-stainless-read-timeout", "0.0001", "0.001 s"),
+     ("x-stainless-read-timeout", "0.0009", "0.001 s")],
+)
+def test_a_deadline_below_what_any_engine_can_meet_is_a_client_error_naming_the_header_and_the_floor(
+    header: str, raw: str, floor: str
+) -> None:
+    """Not a 503 that the OpenAI SDKs would retry in vain: no engine answers within a millisecond, busy or idle."""
+    with pytest.raises(InvalidRequest) as caught:
+        deadline(request(**{header.replace("-", "_"): raw}))
+    error = caught.value
+    assert (error.param, error.code, error.retry_after, error.client_fault) == (
+        header, "deadline_too_short", None, True
+    )
+    assert error.message.startswith(f"{header} is {raw} ") and f"the least any engine can meet: {floor}" in (
+        error.message
+    )
+
+
+@pytest.mark.parametrize(
+    ("header", "raw", "seconds"),
+    [("x-guard-deadline-ms", "1", 0.001), ("x-stainless-read-timeout", "0.001", 0.001)],
+)
+def test_a_deadline_at_the_floor_is_taken(header: str, raw: str, seconds: float) -> None:
+    assert deadline(request(**{header.replace("-", "_"): raw})) == pytest.approx(seconds)

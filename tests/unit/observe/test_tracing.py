@@ -19,7 +19,15 @@ from gateway.config import Settings
 from gateway.errors import ConfigInvalid, ContextLengthExceeded, UpstreamUnavailable
 from gateway.observe import otel
 from gateway.observe.otel import OtelRequestTrace, OtelTracing
-from gateway.observe.tracing import OFF, Tracing, carrier_of, start_tracing, traces_url
+from gateway.observe.tracing import (
+    OFF,
+    TRACESTATE_CHARS,
+    Tracing,
+    carrier_of,
+    start_tracing,
+    trace_id_of_traceparent,
+    traces_url,
+)
 from tests.support.paths import ROOT
 
 
@@ -80,10 +88,56 @@ def test_tracing_off_loads_neither_the_sdks_tracing_nor_its_exporter() -> None:
     assert out.stdout.strip().splitlines()[-1] == "[]"
 
 
+TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+VALID = f"00-{TRACE_ID}-{PARENT_ID}-01"
+
+
 def test_only_the_w3c_trace_headers_are_carried() -> None:
-    headers = {"traceparent": "tp", "tracestate": "ts", "baggage": "b", "authorization": "Bearer k"}
-    assert carrier_of(headers) == {"traceparent": "tp", "tracestate": "ts"}
+    headers = {"traceparent": VALID, "tracestate": "ts", "baggage": "b", "authorization": "Bearer k"}
+    assert carrier_of(headers) == {"traceparent": VALID, "tracestate": "ts"}
     assert carrier_of({}) == {}
+
+
+# (what the client sent, the trace id it gives): W3C Trace Context's traceparent, version 00 exactly, later versions
+# read as 00 with their extra fields skipped.
+TRACEPARENTS = [
+    ("valid", VALID, TRACE_ID),
+    ("sampled flag off", f"00-{TRACE_ID}-{PARENT_ID}-00", TRACE_ID),
+    ("a later version with a field more", f"01-{TRACE_ID}-{PARENT_ID}-01-cafe", TRACE_ID),
+    ("a later version as long as 00", f"cc-{TRACE_ID}-{PARENT_ID}-01", TRACE_ID),
+    ("trailing garbage", f"{VALID}garbage", None),
+    ("a field more on version 00", f"{VALID}-cafe", None),
+    ("a trailing dash on version 00", f"{VALID}-", None),
+    ("a later version followed by garbage", f"01-{TRACE_ID}-{PARENT_ID}-01garbage", None),
+    ("version ff", f"ff-{TRACE_ID}-{PARENT_ID}-01", None),
+    ("upper-case hex", f"00-{TRACE_ID.upper()}-{PARENT_ID}-01", None),
+    ("all-zero trace id", f"00-{'0' * 32}-{PARENT_ID}-01", None),
+    ("all-zero parent id", f"00-{TRACE_ID}-{'0' * 16}-01", None),
+    ("a short trace id", f"00-{TRACE_ID[1:]}-{PARENT_ID}-01", None),
+    ("a short parent id", f"00-{TRACE_ID}-{PARENT_ID[1:]}-01", None),
+    ("one-digit flags", f"00-{TRACE_ID}-{PARENT_ID}-1", None),
+    ("non-hex flags", f"00-{TRACE_ID}-{PARENT_ID}-0g", None),
+    ("a newline after it", f"{VALID}\n", None),
+    ("leading garbage", f"x{VALID}", None),
+    ("empty", "", None),
+]
+
+
+@pytest.mark.parametrize(("value", "trace_id"), [c[1:] for c in TRACEPARENTS], ids=[c[0] for c in TRACEPARENTS])
+def test_only_a_valid_traceparent_gives_a_trace_id_and_is_carried(value: str, trace_id: str | None) -> None:
+    assert trace_id_of_traceparent(value) == trace_id
+    carried = carrier_of({"traceparent": value, "tracestate": "vendor=1"})
+    # An invalid traceparent is dropped with its tracestate (meaningless without it): nothing malformed goes on.
+    assert carried == ({"traceparent": value, "tracestate": "vendor=1"} if trace_id else {})
+
+
+def test_a_long_tracestate_is_cut_by_whole_entries_the_longest_first() -> None:
+    entries = [f"v{i}={'x' * 40}" for i in range(20)]  # 20 entries of 44 characters: 899 in all
+    long_entry = "big=" + "y" * 200
+    carried = carrier_of({"traceparent": VALID, "tracestate": ",".join([entries[0], long_entry, *entries[1:]])})
+    kept = carried["tracestate"].split(",")
+    assert len(carried["tracestate"]) <= TRACESTATE_CHARS and long_entry not in kept
+    assert kept == entries[: len(kept)] and len(kept) == 11  # the first ones, whole
 
 
 # -- the SDK-backed trace, exported in memory -------------------------------------------------------
