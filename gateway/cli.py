@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
 import sys
 import types
@@ -133,23 +132,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(settings: Settings) -> int:
     from gateway.http.app import create_app
-    from gateway.http.server import build_server
-    from gateway.observe.access_log import install_default_handler
-    from gateway.redact import SecretRedactor, install_log_redaction
+    from gateway.http.serving import build_server, sockets_for
+    from gateway.http.workers import WorkerPlan
+    from gateway.observe.process_logging import install_logging
 
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # Every record, from any logger (uvicorn's, vLLM's relayed lines), has its secrets replaced before it is
-    # handled: the places that show URLs and keys redact them already; this catches what they miss.
-    install_log_redaction(SecretRedactor.for_settings(settings))
-    # The access log on standard output, written by a thread of its own (stopped last: it writes what is queued).
-    access = install_default_handler(settings.access_log)
-    server = build_server(create_app(settings), settings)
+    access = install_logging(settings)
+    plan = WorkerPlan.for_settings(settings)  # --workers: this process is the admission authority
+    server = build_server(create_app(settings, plan), settings)
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            server.run()
+            server.run(sockets=sockets_for(settings, plan))
     finally:
+        if plan is not None:
+            plan.remove()
         if access is not None:
             access.stop()
     return 0 if server.started else 3

@@ -3,7 +3,9 @@ templates, upstream streams (a part of ``Settings``)."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+import os
+
+from pydantic import BaseModel, Field, field_validator
 
 # A stream's answer bytes held for one client that reads slower than the engine writes: ~15K tokens of plain
 # chat chunks (~250 bytes a token), so an ordinary answer never waits on its reader, or ~1-2K tokens with top-20
@@ -16,9 +18,32 @@ MAX_BUFFERED_BYTES = 4 * 1024 * 1024
 # nginx upstream keepalive_timeout 60 s (its client side 75 s); Go's net/http DefaultTransport IdleConnTimeout
 # 90 s. An idle connection holds a few KiB and counts towards --max-connections, which bounds them all.
 KEEP_ALIVE_TIMEOUT = 120.0
+# All slow readers together: a quarter of what 2,048 connections (--max-connections) could each hold.
+MAX_TOTAL_BUFFERED_BYTES = 2 * 1024 * 1024 * 1024
 
 
 class HttpFields(BaseModel):
+    # -- the data plane ---------------------------------------------------------------------------
+    workers: str = Field(
+        "1", description="Processes that accept and relay requests: a number, or 'auto' for the cores this process "
+        "may run on. One of them, the admission authority, holds the admission and the tenants' limits for all; "
+        "the others ask it per request (docs/architecture.md).",
+    )
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _workers(cls, value: object) -> str:
+        value = str(value).strip().lower()
+        if value != "auto" and not (value.isdigit() and 1 <= int(value) <= 256):
+            raise ValueError(f"--workers must be a number from 1 to 256 or 'auto'; got {value!r}")
+        return value
+
+    def worker_count(self) -> int:
+        """How many processes serve: ``--workers``, or the cores this process may run on."""
+        if self.workers == "auto":
+            return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+        return int(self.workers)
+
     # -- HTTP limits and timeouts -----------------------------------------------------------------
     max_body_bytes: int = Field(
         8 * 1024 * 1024, ge=1024, description="Largest request body accepted; larger gets 413."
@@ -52,7 +77,7 @@ class HttpFields(BaseModel):
     )
     max_connections: int = Field(
         2048, ge=1, description="Most client connections open at once; one more gets 503 with Retry-After and "
-        "is closed."
+        "is closed. With --workers each process holds an equal share (connections are its memory).",
     )
     body_timeout: float = Field(
         30.0, gt=0, description="Seconds a request body may take to arrive in total; slower gets 408."
@@ -78,6 +103,12 @@ class HttpFields(BaseModel):
         "(the engine's stream is read on regardless, so its KV blocks are given back when it ends); past this "
         "the stream is cut: the engine's request is cancelled and the client gets an error event "
         "(client_too_slow) and the stream's end.",
+    )
+    max_total_buffered_bytes: int = Field(
+        MAX_TOTAL_BUFFERED_BYTES, ge=1024 * 1024,
+        description="Most answer bytes held for slow readers, all streams of one gateway process together; past "
+        "this the streams holding the most are cut first, as --max-buffered-bytes cuts one (client_too_slow), so "
+        "memory stays bounded however many clients stop reading.",
     )
     write_timeout: float = Field(
         30.0, gt=0, description="Seconds a client may accept no byte of an answer while the gateway has bytes "

@@ -7,6 +7,7 @@ One ``Metrics`` object per app (no module-level registry), so tests and several 
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -35,6 +36,7 @@ RECENT_VALUES = 4096
 
 class Metrics(TenantMetrics):
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry(auto_describe=True)
         # -- requests -----------------------------------------------------------------------------
         self.requests = Counter(
@@ -230,11 +232,21 @@ class Metrics(TenantMetrics):
         self.set_upstream_state("starting")
 
     # -- helpers ----------------------------------------------------------------------------------
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, remembered: prometheus_client checks and builds the label tuple on every
+        call (~3 us), and the request path records a dozen labelled values. Label values are bounded (routes,
+        outcomes, reasons, the keys file's tenants), so is this."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def record_request(self, route: str, outcome: str) -> None:
-        self.requests.labels(route, outcome).inc()
+        self.child(self.requests, route, outcome).inc()
 
     def record_rejection(self, reason: str) -> None:
-        self.rejections.labels(reason).inc()
+        self.child(self.rejections, reason).inc()
 
     def record_counted(self, prompt_tokens: int, seconds: float) -> None:
         self.prompt_tokens.observe(prompt_tokens)
@@ -256,10 +268,10 @@ class Metrics(TenantMetrics):
         self.output_tokens.observe(tokens)
 
     def record_upstream_latency(self, route: str, seconds: float) -> None:
-        self.upstream_seconds.labels(route).observe(seconds)
+        self.child(self.upstream_seconds, route).observe(seconds)
 
     def record_ttft(self, route: str, seconds: float) -> None:
-        self.ttft_seconds.labels(route).observe(seconds)
+        self.child(self.ttft_seconds, route).observe(seconds)
         self.recent_ttft.append(seconds)
 
     def record_tokenizer_fallback(self, active: bool) -> None:
@@ -315,7 +327,7 @@ class Metrics(TenantMetrics):
             self.queue_depth.labels(str(prio)).set(depth)
 
     def record_admission(self, how: str, waited_seconds: float) -> None:
-        self.admissions.labels(how).inc()
+        self.child(self.admissions, how).inc()
         self.queue_wait.observe(waited_seconds)
         self.recent_queue_wait.append(waited_seconds)
 

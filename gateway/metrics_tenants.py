@@ -3,10 +3,15 @@ the gateway's one registry by ``Metrics``; their ``record_*`` helpers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 
 class TenantMetrics:
+    def child(self, metric: Any, *labels: str) -> Any:  # defined by ``Metrics``
+        raise NotImplementedError
+
     def _declare_tenants(self, r: CollectorRegistry) -> None:
         self.tenant_requests = Counter(
             "vllm_guard_tenant_requests_total", "Requests served, by tenant.", ["tenant"], registry=r
@@ -42,10 +47,11 @@ class TenantMetrics:
         )
 
     def record_tenant_usage(self, tenant: str, prompt_tokens: int, completion_tokens: int, queued: float) -> None:
-        self.tenant_requests.labels(tenant).inc()
-        self.tenant_prompt_tokens.labels(tenant).inc(prompt_tokens)
-        self.tenant_completion_tokens.labels(tenant).inc(completion_tokens)
-        self.tenant_queue_seconds.labels(tenant).inc(queued)
+        child = self.child
+        child(self.tenant_requests, tenant).inc()
+        child(self.tenant_prompt_tokens, tenant).inc(prompt_tokens)
+        child(self.tenant_completion_tokens, tenant).inc(completion_tokens)
+        child(self.tenant_queue_seconds, tenant).inc(queued)
 
     def record_tenant_rejection(self, tenant: str, reason: str) -> None:
         self.tenant_rejections.labels(tenant, reason).inc()

@@ -146,9 +146,17 @@ class SecretRedactor(logging.Filter):
 _FORMATTER = logging.Formatter()
 
 
+_active: list[SecretRedactor] = []  # the one installed, for writers that bypass log records (the access log's)
+
+
+def active_redactor() -> SecretRedactor | None:
+    return _active[-1] if _active else None
+
+
 def install_log_redaction(redactor: SecretRedactor) -> Callable[[], None]:
     """Redact every log record from now on, whichever logger or handler it goes to; returns the undo."""
     previous = logging.getLogRecordFactory()
+    _active.append(redactor)
 
     def factory(*args: Any, **kwargs: Any) -> logging.LogRecord:
         record = previous(*args, **kwargs)
@@ -159,5 +167,7 @@ def install_log_redaction(redactor: SecretRedactor) -> Callable[[], None]:
 
     def undo() -> None:
         logging.setLogRecordFactory(previous)
+        if redactor in _active:
+            _active.remove(redactor)
 
     return undo

@@ -8,7 +8,6 @@ A request's *need* is the most KV blocks admitting it adds: its sequences' own b
 Whether one more request fits is the policy's (``policy``: ``strict`` books every request at its full size,
 so the engine never runs short of blocks for the gateway's requests; ``adaptive`` also admits on the projection of
 the live usage). The queue is re-examined on every release, snapshot and resume.
-
 With several engines (``placement``: servers, data-parallel ranks) each has its own budget, books and policy, and
 the queue is one: a request waits only while no engine can take it, and goes to the first that can.
 """
@@ -27,7 +26,7 @@ from gateway.admission.deadlines import Deadlines
 from gateway.admission.forecast import Forecast
 from gateway.admission.gauges import LoadGauges
 from gateway.admission.headroom import Headroom
-from gateway.admission.ledger import Capacity, fit_output, too_large_message
+from gateway.admission.ledger import Capacity, fit_output
 from gateway.admission.placement import Sites
 from gateway.admission.prefix import PromptPrefix
 from gateway.admission.queue import DeadlineTimer, Drain, WaitQueue
@@ -120,13 +119,16 @@ class Admission:
         """``max_tokens`` if the request fits the whole budget; with ``clamp``, lowered until it does.
         Raises ``KVBudgetExceeded`` when it cannot fit. ``prefix_known``: its prompt's token ids are known, so
         with prefix sharing its ``n`` sequences hold their shareable prompt blocks once."""
-        self._capacity()
-        if (largest := self._sites.largest()) is None:
-            return max_tokens
-        return fit_output(
-            prompt_tokens, max_tokens, n, largest[0], self._settings.kv_target, clamp=clamp,
-            shared=self._sharing and prefix_known,
+        cap = self.largest_capacity()
+        shared = self._sharing and prefix_known
+        return max_tokens if cap is None else fit_output(
+            prompt_tokens, max_tokens, n, cap, self._settings.kv_target, clamp=clamp, shared=shared
         )
+
+    def largest_capacity(self) -> Capacity | None:
+        """The largest engine's capacity: what one request can ever be given (``fit``'s, for other processes)."""
+        self._capacity()
+        return largest[0] if (largest := self._sites.largest()) is not None else None
 
     def reservation(
         self, *, prompt_tokens: int, max_tokens: int, n: int, priority: int, request_id: str,
@@ -213,7 +215,7 @@ class Admission:
         largest = self._sites.largest()
         if largest is not None and r.alone_blocks > largest[1]:
             r.reject()
-            raise errors.KVBudgetExceeded(self._too_large_message(r, largest[0]))
+            raise refusals.too_large(r, largest[0], self._settings.kv_target)
         now = self._clock()
         limit = r.wait_limit = self._deadlines.limit(r, len(self._in_flight))
         if limit.seconds <= 0:  # the engine alone takes longer than its deadline to a first token
@@ -221,12 +223,17 @@ class Admission:
             raise refusals.deadline_now(limit, self._drain.retry_after(len(self._queue), now))
         r.enqueue()
         self._headroom.arrive(r)
+        # The least-work order (``order``) places a request among others waiting: one that arrives at an empty
+        # queue is shifted only if it does wait (most are admitted at once, and the shift was a third of this).
         adaptive = self._settings.admission_policy == "adaptive"  # strict keeps arrival order
-        shift = order.queue_shift(r, self._sites, self._block_size, limit.seconds) if adaptive else 0.0
+        alone = not self._queue
+        shift = order.queue_shift(r, self._sites, self._block_size, limit.seconds) if adaptive and not alone else 0.0
         self._queue.push(r, now, now + limit.seconds, shift)
         self._pump(arriving=r)
         if r.admitted:
             return
+        if adaptive and alone:  # still queued (a no-op if the forecast refused it)
+            self._queue.reshift(r, order.queue_shift(r, self._sites, self._block_size, limit.seconds))
         if len(self._queue) > self._settings.max_queue:
             raise self._shed(r)
         self._timer.ensure()
@@ -289,7 +296,7 @@ class Admission:
             while (head := self._queue.head()) is not None:
                 if largest is not None and head.alone_blocks > largest[1]:
                     # Capacity shrank under a queued request (engine restarted smaller): it can never fit.
-                    self._fail(head, errors.KVBudgetExceeded(self._too_large_message(head, largest[0])))
+                    self._fail(head, refusals.too_large(head, largest[0], self._settings.kv_target))
                     continue
                 chosen = self._queue.pick(lambda r: self._place(r, placed))
                 if chosen is None:
@@ -390,9 +397,3 @@ class Admission:
         self._metrics.record_preemption_control(control.quantile, control.rate(new.taken_at), control.reach)
         self._pump()
         self.publish()
-
-    # -- messages and metrics ---------------------------------------------------------------------
-    def _too_large_message(self, r: Reservation, cap: Capacity) -> str:
-        return too_large_message(
-            r.prompt_tokens, r.max_tokens, r.n, r.alone_blocks, cap, self._settings.kv_target
-        )

@@ -135,6 +135,19 @@ class WaitQueue(Generic[W]):
         self._depth[item.priority] = self._depth.get(item.priority, 0) + 1
         self._tenant_depth[tenant] = self._tenant_depth.get(tenant, 0) + 1
 
+    def reshift(self, item: W, shift: float) -> None:
+        """Give a waiting ``item`` its place at ``shift`` seconds after its arrival (it was queued with none)."""
+        entry = self._by_item.get(item)
+        if entry is None:
+            return
+        lane = entry.lane
+        at = bisect.bisect_left(lane.keys, entry.key)
+        del lane.entries[at], lane.keys[at]
+        entry.key = (entry.key[0], entry.enqueued_at + shift, entry.key[2])
+        at = bisect.bisect(lane.keys, entry.key)
+        lane.keys.insert(at, entry.key)
+        lane.entries.insert(at, entry)
+
     def remove(self, item: W) -> bool:
         """Take ``item`` out; False when it was not waiting."""
         entry = self._by_item.pop(item, None)

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from gateway import errors
 from gateway.admission.deadlines import WaitLimit
 from gateway.admission.forecast import ARRIVAL_SHARE, Late
+from gateway.admission.ledger import Capacity, too_large_message
 from gateway.admission.queue import RETRY_AFTER_MAX, RETRY_AFTER_MIN
 
 
@@ -99,3 +100,26 @@ def deadline_now(limit: WaitLimit, retry_after: float) -> errors.DeadlineUnreach
 
 def _engine(limit: WaitLimit) -> str:
     return f" plus {limit.engine_seconds:.1f} s to a first token in the engine" if limit.engine_seconds else ""
+
+
+class Sized(Protocol):
+    """A request as its size is told: its prompt, its output, its sequences, the blocks it needs alone."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def max_tokens(self) -> int: ...
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def alone_blocks(self) -> int: ...
+
+
+def too_large(r: Sized, cap: Capacity, kv_target: float) -> errors.KVBudgetExceeded:
+    """A request larger than the largest engine's whole budget: it can never fit."""
+    return errors.KVBudgetExceeded(
+        too_large_message(r.prompt_tokens, r.max_tokens, r.n, r.alone_blocks, cap, kv_target)
+    )

@@ -1,25 +1,29 @@
-"""The one shared HTTP client to the upstream vLLM.
+"""The one shared HTTP client to each upstream vLLM.
 
-aiohttp, chosen by measurement (docs/http-client.md): httpx's own pool gave ~400 req/s at concurrency 64
-on this hardware, aiohttp ~4,000. Transport failures become ``GatewayError``s here and nowhere else.
+Built on ``engine/wire.py`` (asyncio protocols and the httptools parser), chosen by measurement: aiohttp cost
+~230 us of the gateway's CPU per short request more (docs/overhead.md), httpx's own pool more still
+(docs/http-client.md). Transport failures become ``GatewayError``s here and in ``wire.py``, nowhere else.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import contextlib
 import logging
-import warnings
+import ssl
 import zlib
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote, unquote, urlencode, urlsplit
 
-import aiohttp
 import orjson
-from yarl import URL
 
 from gateway.config import Settings
 from gateway.engine.vllm_api import upstream_error_from
-from gateway.errors import BadUpstreamResponse, GatewayError, UpstreamTimeout, UpstreamUnavailable
+from gateway.engine.wire import UNREACHABLE_RETRY_AFTER, BufferSink, Exchange, Pool, Sink
+from gateway.errors import BadUpstreamResponse, UpstreamTimeout, UpstreamUnavailable
 from gateway.redact import redact_url, redact_urls_in
 
 log = logging.getLogger(__name__)
@@ -34,9 +38,11 @@ HOP_HEADERS = frozenset(
         "x-api-key", "cookie", "cookie2",
     }
 )
+HOP_ONLY = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding",
+    "upgrade", "host", "content-length", "accept-encoding",
+})
 RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
-# A retry hint for clients when the upstream cannot be reached at all.
-UNREACHABLE_RETRY_AFTER = 5.0
 KEEPALIVE_SECONDS = 4.0  # idle pooled connections to the engine are closed after this (see start())
 # The gateway asks for identity; an upstream that compresses anyway is decoded up to this size per body.
 DECODED_BODY_LIMIT = 256 * 1024 * 1024
@@ -50,15 +56,15 @@ class UpstreamReply:
 
 
 class UpstreamStream:
-    """An open upstream response whose body is relayed as it arrives. ``close`` is synchronous so that it
-    can run inside a cancelled task (a client that went away); closing before the end aborts the upstream
-    request."""
+    """An open upstream answer whose body is relayed as it arrives. ``close`` is synchronous so that it can run
+    inside a cancelled task (a client that went away); closing before the end aborts the upstream request."""
 
-    def __init__(self, response: aiohttp.ClientResponse, timeout_error: Callable[[], GatewayError]) -> None:
-        self._response = response
-        self._timeout_error = timeout_error
-        self.status = response.status
-        self.headers = response.headers
+    __slots__ = ("_exchange", "headers", "status")
+
+    def __init__(self, exchange: Exchange) -> None:
+        self._exchange = exchange
+        self.status = exchange.status
+        self.headers = exchange.headers
 
     async def read_all(self) -> bytes:
         """The whole body, decoded if the upstream compressed it (though asked for identity)."""
@@ -70,95 +76,107 @@ class UpstreamStream:
 
     async def read_raw(self) -> bytes:
         """The whole body as sent (still compressed if it was), for relaying with its own headers."""
-        try:
-            return await self._response.read()
-        except TimeoutError as exc:
-            raise self._timeout_error() from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnavailable(
-                f"The upstream dropped the connection: {redact_urls_in(str(exc))}",
-                retry_after=UNREACHABLE_RETRY_AFTER,
-            ) from exc
+        return b"".join([chunk async for chunk in self.chunks()])
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, as sent (still compressed if it was: see ``decoder_for``)."""
-        try:
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-        except TimeoutError as exc:
-            raise self._timeout_error() from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnavailable(
-                f"The upstream dropped the stream: {redact_urls_in(str(exc))}",
-                retry_after=UNREACHABLE_RETRY_AFTER,
-            ) from exc
+        sink = self._exchange.sink
+        if not isinstance(sink, BufferSink):
+            raise RuntimeError("the stream's body already goes to a sink of its own")
+        while (chunk := await sink.next()) is not None:
+            yield chunk
+
+    def attach(self, sink: Sink) -> None:
+        """Hand the body to ``sink`` as it arrives, from the loop's own callbacks: no task, no await per read
+        (the guarded streams' relay)."""
+        self._exchange.attach(sink)
 
     def close(self) -> None:
-        # release() keeps a fully read connection for reuse, and closes one with unread body (a client
-        # that left mid-stream), which is what makes vLLM abort that request.
-        self._response.release()
+        # A whole answer's connection is pooled already; one with unread body is dropped, which is what makes
+        # vLLM abort that request.
+        self._exchange.close()
 
 
 class Upstream:
-    def __init__(self, settings: Settings, base_url: Callable[[], str] | None = None) -> None:
+    def __init__(
+        self, settings: Settings, base_url: Callable[[], str] | None = None, *, credentials: bool = False
+    ) -> None:
+        """``credentials``: forward the client's own credentials (to the gateway's own authority, which checks
+        them), where to an engine they never go."""
         self._settings = settings
+        self._drop = HOP_ONLY if credentials else HOP_HEADERS
         self._base_url = base_url or (lambda: settings.upstream[0])
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[tuple[str, str], URL] = {}
-        self._auth = {"Authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
+        self._pools: dict[str, Pool] = {}  # by base URL: a managed engine may move (restart on another port)
+        self._sweeper: asyncio.Task[None] | None = None
+        self._started = False
+        self._auth = {"authorization": f"Bearer {settings.upstream_api_key}"} if settings.upstream_api_key else {}
 
     @property
     def base_url(self) -> str:
         return self._base_url()
 
     async def start(self) -> None:
+        self._started = True
         s = self._settings
-        connector = aiohttp.TCPConnector(
-            limit=s.upstream_connections, limit_per_host=s.upstream_connections, ttl_dns_cache=300,
-            # Below vLLM's own idle timeout (VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s in vllm/envs.py): a pooled connection
-            # kept longer is one vLLM may close just as a request goes out on it, which the client would get as a
-            # 503 "Server disconnected" (seen after a 5 s lull between two floods).
-            enable_cleanup_closed=False, keepalive_timeout=KEEPALIVE_SECONDS,
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(
-                total=s.request_timeout, sock_connect=s.connect_timeout, sock_read=s.read_timeout
-            ),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),  # an upstream's cookies must never leak between clients
-            skip_auto_headers=("User-Agent",),
-            json_serialize=lambda o: orjson.dumps(o).decode(),
-        )
+        # Timeouts are noticed by a sweep rather than a timer per read: a few times a second, finer for the
+        # short limits tests set.
+        every = max(0.02, min(0.25, s.read_timeout / 4, s.request_timeout / 4))
+        self._sweeper = asyncio.create_task(self._sweep(every), name="upstream-sweeper")
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._started = False
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
 
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    async def _sweep(self, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            for pool in self._pools.values():
+                pool.sweep(self._timeout_of)
+
+    def _pool(self) -> tuple[Pool, Target]:
+        if not self._started:
             raise RuntimeError("Upstream.start() was not awaited")
-        return self._session
+        base = self.base_url
+        target = _target(base)
+        pool = self._pools.get(base)
+        if pool is None:
+            if len(self._pools) > 8:  # a managed engine's old addresses: their pools are done with
+                for old in self._pools.values():
+                    old.close()
+                self._pools.clear()
+            s = self._settings
+            pool = self._pools[base] = Pool(
+                target.host, target.port, target.tls, s.upstream_connections, KEEPALIVE_SECONDS,
+                lambda: redact_url(base),
+            )
+        return pool, target
 
-    def _url(self, path: str) -> URL:
-        # Parsed once per path: URL parsing was a measurable share of each proxied request.
-        key = (self.base_url, path)
-        url = self._urls.get(key)
-        if url is None:
-            if len(self._urls) > 1024:  # passthrough paths are client-chosen: keep the cache bounded
-                self._urls.clear()
-            url = self._urls[key] = URL(self.base_url + path)
-        return url
-
-    def _headers(self, extra: Mapping[str, str] | None) -> dict[str, str]:
-        headers = {k: v for k, v in (extra or {}).items() if k.lower() not in HOP_HEADERS}
-        headers.update(self._auth)
-        # aiohttp would offer gzip and deflate, and with auto_decompress off (it costs CPU on every read) a
-        # compressed answer would reach clients labelled as plain. vLLM compresses nothing it is not asked to.
-        headers["Accept-Encoding"] = "identity"
-        return headers
+    def _head(self, target: Target, method: str, path: str, params: Mapping[str, str] | None,
+              extra: Mapping[str, str] | None, body: bytes | None) -> bytes:
+        path = target.prefix + path
+        if params:
+            path += "?" + urlencode(params)
+        lines = [f"{method} {path} HTTP/1.1", f"host: {target.netloc}"]
+        for name, value in (extra or {}).items():
+            lower = name.lower()
+            # Never forwarded: hop-by-hop headers, our own, credentials; nor a name or value that could split
+            # the head (the client's headers were parsed, but a value set in code is checked here all the same).
+            if lower in self._drop or not _TOKEN.issuperset(lower) or "\r" in value or "\n" in value:
+                continue
+            lines.append(f"{name}: {value}")
+        lines.extend(f"{k}: {v}" for k, v in (self._auth or target.auth).items())
+        # Compressed answers would reach clients labelled as plain: vLLM compresses nothing it is not asked to.
+        lines.append("accept-encoding: identity")
+        lines.append(f"content-length: {len(body) if body is not None else 0}")
+        head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1", "replace")
+        return head + body if body else head
 
     async def open(
         self,
@@ -169,50 +187,52 @@ class Upstream:
         headers: Mapping[str, str] | None = None,
         params: Mapping[str, str] | None = None,
         timeout: float | None = None,
+        connect_within: float | None = None,
     ) -> UpstreamStream:
-        """Send a request and return once the response headers arrived; the caller closes it."""
-        url = self._url(path)
-        # Redirects are not followed: the gateway talks to one engine, by the paths of its route table.
-        kwargs: dict[str, Any] = {"data": _payload(body), "headers": self._headers(headers), "allow_redirects": False}
-        if params:
-            kwargs["params"] = params
-        if timeout is not None:
-            kwargs["timeout"] = aiohttp.ClientTimeout(total=timeout)
-        try:
-            response = await self._send(method, url, kwargs)
-        except TimeoutError as exc:
-            raise self._timeout(timeout) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamUnavailable(
-                f"The upstream at {redact_url(self.base_url)} cannot be reached "
-                f"({redact_urls_in(str(exc.os_error or exc))}).",
-                retry_after=UNREACHABLE_RETRY_AFTER,
-            ) from exc
-        except aiohttp.ClientResponseError as exc:
-            raise BadUpstreamResponse(f"The upstream sent an invalid HTTP response: {exc.message}") from exc
-        except aiohttp.ClientError as exc:
-            # Reset or closed before any response: the request may not have run; retrying is safe to suggest.
-            raise UpstreamUnavailable(
-                f"The upstream closed the connection before answering: {redact_urls_in(str(exc))}",
-                retry_after=UNREACHABLE_RETRY_AFTER,
-            ) from exc
-        return UpstreamStream(response, lambda: self._timeout(timeout))
-
-    async def _send(self, method: str, url: URL, kwargs: dict[str, Any]) -> aiohttp.ClientResponse:
-        """The request, sent once more on a new connection when its connection breaks before any answer. Most
-        often a pooled one the engine closed as the request went out (its idle timeout and ours race under load):
-        it never saw the request whole, so it ran nothing. A new connection that breaks too is the second try."""
-        try:
-            return await self.session.request(method, url, **kwargs)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-            if isinstance(exc, aiohttp.ClientConnectorError):
-                raise  # not reached at all: no pooled connection to blame
-            log.info("the upstream closed a pooled connection as a request went out (%s); sending it again", exc)
-            return await self.session.request(method, url, **kwargs)
-
-    def _timeout(self, timeout: float | None) -> UpstreamTimeout:
+        """Send a request and return once the response headers arrived; the caller closes it. A new connection
+        may take ``--connect-timeout``, or ``connect_within`` seconds when longer (a guarded request waits for an
+        engine whose API server accepts late, a starved host's, within the request's own time)."""
+        pool, target = self._pool()
+        request = self._head(target, method, path, params, headers, body)
         s = self._settings
-        limit = timeout if timeout is not None else s.request_timeout
+        total = timeout if timeout is not None else s.request_timeout
+        deadline = pool.loop.time() + total
+        for attempt in (1, 2):
+            exchange = Exchange(deadline, s.read_timeout)
+            exchange.limit = total
+            try:
+                connecting = max(s.connect_timeout, connect_within or 0.0)
+                conn, _pooled = await pool.connection(reuse=attempt == 1, timeout=min(connecting, total))
+            except TimeoutError as exc:
+                raise self._timeout(total) from exc
+            except OSError as exc:
+                raise UpstreamUnavailable(
+                    f"The upstream at {redact_url(self.base_url)} cannot be reached "
+                    f"({redact_urls_in(str(exc))}).",
+                    retry_after=UNREACHABLE_RETRY_AFTER,
+                ) from exc
+            conn.send(exchange, request)
+            try:
+                await exchange.head
+            except UpstreamUnavailable:
+                if attempt == 2 or exchange.got_bytes:
+                    raise
+                # Closed before any answer, most often a pooled connection the engine closed as the request went
+                # out (its idle timeout and ours race under load): it never saw the request whole, so it ran
+                # nothing. Sent once more, on a new connection.
+                log.info("the upstream closed a connection as a request went out; sending it again")
+                continue
+            except asyncio.CancelledError:
+                exchange.close()
+                raise
+            return UpstreamStream(exchange)
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _timeout_of(self, exchange: Exchange) -> UpstreamTimeout:
+        return self._timeout(exchange.limit)
+
+    def _timeout(self, limit: float) -> UpstreamTimeout:
+        s = self._settings
         return UpstreamTimeout(
             f"The upstream did not answer in time (limits: {limit:g} s in total, "
             f"{s.read_timeout:g} s of silence, {s.connect_timeout:g} s to connect)."
@@ -257,6 +277,43 @@ class Upstream:
         return data
 
 
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a base URL points: host, port, TLS, the path prefix, the Host header, credentials in the URL."""
+
+    host: str
+    port: int
+    tls: ssl.SSLContext | None
+    prefix: str
+    netloc: str
+    auth: dict[str, str]
+
+
+_TARGETS: dict[str, Target] = {}
+_TOKEN = frozenset("abcdefghijklmnopqrstuvwxyz0123456789!#$%&'*+-.^_`|~")
+
+
+def _target(base: str) -> Target:
+    """``base`` parsed once (a handful of engines per process)."""
+    target = _TARGETS.get(base)
+    if target is None and base.startswith("unix:"):
+        target = _TARGETS[base] = Target(base[len("unix:"):], 0, None, "", "localhost", {})
+    if target is None:
+        url = urlsplit(base)
+        tls = ssl.create_default_context() if url.scheme == "https" else None
+        host = url.hostname or "127.0.0.1"
+        port = url.port or (443 if tls is not None else 80)
+        auth: dict[str, str] = {}
+        if url.username is not None:
+            pair = f"{unquote(url.username)}:{unquote(url.password or '')}"
+            auth["authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+        netloc = f"[{host}]" if ":" in host else host
+        default = 443 if tls is not None else 80
+        netloc = netloc if port == default else f"{netloc}:{port}"
+        target = _TARGETS[base] = Target(host, port, tls, quote(url.path.rstrip("/")), netloc, auth)
+    return target
+
+
 class BodyDecoder:
     """Undoes a gzip or deflate Content-Encoding piece by piece, bounded: a small compressed read that would
     expand past ``limit`` bytes is refused rather than decoded (a compression bomb)."""
@@ -299,14 +356,3 @@ def decoder_for(headers: Mapping[str, str]) -> BodyDecoder | None:
 def response_headers(headers: Mapping[str, str]) -> dict[str, str]:
     """Upstream response headers worth relaying to the client."""
     return {k: v for k, v in headers.items() if k.lower() not in RESPONSE_DROP}
-
-
-def _payload(body: bytes | None) -> bytes | aiohttp.payload.BytesPayload | None:
-    """``body`` as aiohttp sends it. Past 1 MiB aiohttp warns that bytes "might lock the event loop"; they are
-    copied once into the socket's buffer (~1 ms for the largest body the gateway accepts), nothing more, and
-    the payload is sent again as it is when a pooled connection broke (``_send``)."""
-    if body is None or len(body) <= aiohttp.payload.TOO_LARGE_BYTES_BODY:
-        return body
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        return aiohttp.payload.BytesPayload(body, content_type="application/json")

@@ -203,6 +203,13 @@ class ProgressDetector:
         """A chunk arrived on one of the engine's streams (called per chunk: a counter, compared on tick)."""
         self._events += 1
 
+    def note_remote(self, opened: int, chunks: int, answers: int) -> None:
+        """What another worker process saw of this engine since it last said (streams opened less closed,
+        chunks, whole answers): the judgement here sees every process's requests (``workers/authority.py``)."""
+        self.in_flight += opened
+        self._events += chunks
+        self.answers += answers
+
     def answered(self) -> None:
         """A whole answer of the engine's was read (the gateway's request completed): the engine did its work."""
         self.answers += 1

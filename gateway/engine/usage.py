@@ -27,6 +27,7 @@ is counted as before, one token per data event that carries choices.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,14 +74,18 @@ class Fingerprint:
     """The ``system_fingerprint`` one engine stamps on its answers, once a usage chunk has told it (``known``);
     ``value`` None: the engine stamps none (``--fingerprint-mode none``, or a vLLM without the field)."""
 
-    __slots__ = ("known", "value")
+    __slots__ = ("known", "on_learn", "value")
 
     def __init__(self) -> None:
         self.known = False
         self.value: str | None = None
+        self.on_learn: Callable[[], None] | None = None  # with --workers: tell the other processes at once
 
     def learn(self, value: str | None) -> None:
+        changed = (self.known, self.value) != (True, value)
         self.known, self.value = True, value
+        if changed and self.on_learn is not None:
+            self.on_learn()
 
 
 class StreamUsage:

@@ -6,14 +6,16 @@ parsed); the pipeline reads it and records what it did in ``outcome``. Nothing h
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.admission.prefix import PromptPrefix
 from gateway.config import PromptOverflowPolicy
 from gateway.guard.parts import Outcome
 from gateway.observe.tracing import OFF, RequestTrace
+
+if TYPE_CHECKING:
+    from gateway.guard.stream import EngineStream
 
 
 @dataclass(slots=True)
@@ -40,12 +42,12 @@ class RequestContext:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """The guard's answer: a whole JSON ``body``, or the ``events`` of a stream (whole server-sent events, to be
-    written one per write; a ``GatewayError`` raised while reading them is the stream's break)."""
+    """The guard's answer: a whole JSON ``body``, or the head of a ``stream`` whose events the HTTP layer relays
+    (``EngineStream.relay``)."""
 
     headers: dict[str, str]
     body: bytes | None = None
-    events: AsyncIterator[bytes] | None = None
+    stream: EngineStream | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gateway.admission.controller import Admission
 from gateway.admission.reservation import Reservation
@@ -39,6 +40,9 @@ class Parts:
     rolling: RollingRestarts | None = None  # managed mode: restarts asked for or scheduled
     tracing: Tracing = field(default_factory=Tracing)  # requests' traces (--otlp-traces-endpoint; no-op without)
     access_log: AccessLog = field(init=False)  # one line per guarded request (--access-log)
+    # With --workers: the other worker processes' metric families, gathered when /metrics is read.
+    worker_metrics: Callable[[], Awaitable[list[Any]]] | None = None
+    authority: Any = None  # with --workers: the admission authority's channel to its workers (its status)
 
     def __post_init__(self) -> None:
         self.access_log = AccessLog(self.settings.access_log)

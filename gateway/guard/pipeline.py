@@ -33,6 +33,7 @@ from gateway.guard.parts import Outcome, Parts
 from gateway.guard.policy import Limits, effective_max_model_len
 from gateway.guard.pooling import PoolingRequest
 from gateway.guard.protocol import GuardedRequest, parse_chat, parse_completion, parse_responses
+from gateway.guard.stream import EngineStream
 from gateway.managed.lifecycle import EngineLifecycle
 from gateway.managed.logfacts import engine_death_reply
 from gateway.observe.tracing import AttrValue
@@ -152,6 +153,7 @@ async def admit_and_exchange(
             # May wait for the tenant's KV share and in the queue, or shed with QueueFull / QueueTimeout.
             ctx.trace.admitting()
             async with grant.admit(reservation, parts.admission.budget_blocks) as waited_ms:
+                ctx.outcome.ratelimit = grant.headers or ctx.outcome.ratelimit  # a worker's: told with the admission
                 ctx.outcome.queue_ms += waited_ms
                 ctx.trace.admitted(waited_ms)
                 with ctx.trace.stage("exchange", engine_attributes(reservation)):
@@ -159,7 +161,10 @@ async def admit_and_exchange(
                         answered = True
                         yield piece
                 return
-        except (UpstreamUnavailable, UpstreamError) as exc:
+        except GatewayError as exc:
+            ctx.outcome.ratelimit = grant.headers or ctx.outcome.ratelimit  # a refusal's, told by the authority
+            if not isinstance(exc, UpstreamUnavailable | UpstreamError):
+                raise
             target = reservation.target
             if not answered and attempt == 1 and target is not None and failover(parts, exc):
                 log.warning("request %s: engine %s failed under it (%s); sending it to another", ctx.request_id,
@@ -192,7 +197,8 @@ async def exchange_with_engine(
     ctx.outcome.engine = target.name if target is not None else None
     # The engine joins the trace: under the gateway's exchange span, or (tracing off) under the client's own.
     trace = ctx.trace.headers() or ctx.trace_carrier
-    stream = await exchange.open_upstream(parts, engine, ctx.path, body, ctx.request_id, rank, trace)
+    patience = ctx.deadline if ctx.deadline is not None else parts.settings.queue_timeout
+    stream = await exchange.open_upstream(parts, engine, ctx.path, body, ctx.request_id, rank, trace, patience)
     if not booking.stream:
         learner = reservation if booking.learns_output else None
         payload = await exchange.read_answer(parts, engine, ctx.route, stream, learner)
@@ -207,11 +213,11 @@ async def exchange_with_engine(
     except GatewayError:
         exchange.close(parts, engine, stream)
         raise
-    relay = exchange.EngineStream(parts, engine, ctx.route, stream, reservation, ask)
+    relay = EngineStream(parts, engine, ctx.route, stream, reservation, ask)
     ctx.outcome.output = reservation  # counts the stream's tokens as they are relayed
     try:
         headers = {**ctx.outcome.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"}
-        yield Reply(headers, events=ctx.trace.stream(relay.events(), reservation))
+        yield Reply(headers, stream=relay)
     finally:
         relay.finish()
 

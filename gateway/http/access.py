@@ -75,9 +75,10 @@ class AccessEntry:
         self.model = model if isinstance(model, str) else None
         self.asked = asked_max_tokens(ctx.body)
 
-    def first_event(self) -> None:
+    def first_event(self, at: float | None = None) -> None:
+        """The stream's first event was written ``at`` (perf_counter; now when not given)."""
         if self._first_event is None:
-            self._first_event = time.perf_counter()
+            self._first_event = at if at is not None else time.perf_counter()
 
     def finish(self, status: int, outcome: str | None = None, error: GatewayError | None = None) -> None:
         """The request is over: write its line (once). ``outcome`` defaults from the status and the error."""

@@ -6,20 +6,25 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.datastructures import State
+from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocketClose
 
 from gateway import __version__
 from gateway.config import Settings
 from gateway.errors import GatewayError
+from gateway.guard.parts import Parts
 from gateway.http.assembly import build_parts
 from gateway.http.errors import error_response, install_handlers, internal_error_response
 from gateway.http.handlers import add_routes
 from gateway.http.relay import serve_guarded
 from gateway.http.routes import Route, RouteTable
+from gateway.http.stream_out import HeldBytes
+from gateway.http.workers import WorkerPlan, WorkerPool
+from gateway.workers.authority import Authority
 
 if TYPE_CHECKING:
     pass
@@ -27,12 +32,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings, plan: WorkerPlan | None = None) -> GuardedFastPath:
+    """``plan``: with ``--workers``, this app is the admission authority and starts the other workers."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with contextlib.AsyncExitStack() as stack:
             parts = await build_parts(settings, stack)
             app.state.parts = parts
+            if plan is not None:
+                await start_workers(parts, settings, plan, stack)
             yield
 
     app = FastAPI(
@@ -42,8 +51,20 @@ def create_app(settings: Settings) -> FastAPI:
     install_handlers(app)
     table = RouteTable(settings.passthrough_route)
     add_routes(app, table)
-    app.add_middleware(GuardedFastPath, table=table)
-    return app
+    # Outermost, ahead of Starlette's own middleware: a guarded request meets no layer it does not need.
+    return GuardedFastPath(app, table, HeldBytes(settings.max_total_buffered_bytes))
+
+
+async def start_workers(parts: Parts, settings: Settings, plan: WorkerPlan, stack: contextlib.AsyncExitStack) -> None:
+    """The authority's channel, then the worker processes (stopped first on shutdown, then the channel)."""
+    authority = Authority(parts, plan.channel)
+    await authority.start()
+    stack.push_async_callback(authority.close)
+    parts.worker_metrics = authority.worker_metrics
+    parts.authority = authority
+    pool = WorkerPool(settings, plan)
+    await pool.start()
+    stack.push_async_callback(pool.stop)
 
 
 class GuardedFastPath:
@@ -56,9 +77,16 @@ class GuardedFastPath:
     one, and the query string kept only where it is forwarded (the pass-through routes).
     """
 
-    def __init__(self, app: ASGIApp, table: RouteTable) -> None:
+    def __init__(self, app: Any, table: RouteTable, held: HeldBytes) -> None:
         self.app = app
         self.table = table
+        self.held = held  # the bytes all streams hold for slow readers, bounded together
+
+    @property
+    def state(self) -> State:
+        """The app's state: ``parts`` once its lifespan has assembled them."""
+        state: State = self.app.state
+        return state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -81,9 +109,10 @@ class GuardedFastPath:
         await self.app(canonical, receive, send)
 
     async def _guarded(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["app"] = self.app  # as Starlette sets it: the handlers find the app's parts through it
         request = Request(scope, receive, send)
         try:
-            response = await serve_guarded(scope["app"].state.parts, request, route.name, route.path)
+            response = await serve_guarded(self.app.state.parts, request, route.name, route.path, self.held)
         except Exception:
             response = internal_error_response(request)
         await response(scope, receive, send)

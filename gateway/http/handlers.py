@@ -16,6 +16,7 @@ from gateway.guard.status import engines_status, publish_pool_metrics, upstream_
 from gateway.http import passthrough, tokenization, ui
 from gateway.http.auth import authenticate
 from gateway.http.routes import RouteTable
+from gateway.workers.metrics_merge import render_merged
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -45,7 +46,10 @@ async def metrics(request: Request) -> Response:
     parts = parts_of(request)
     parts.admission.publish()  # the gauges that move with time (freshness, live usage), as of this read
     publish_pool_metrics(parts)
-    data, ctype = parts.metrics.render()
+    if parts.worker_metrics is None:
+        data, ctype = parts.metrics.render()
+    else:  # with --workers: every process's requests, added up
+        data, ctype = render_merged(parts.metrics, await parts.worker_metrics())
     return Response(data, media_type=ctype)
 
 

@@ -27,7 +27,8 @@ class ConnectionLimits:
             max_headers=settings.max_headers,
             header_timeout=settings.header_timeout,
             keep_alive_timeout=settings.keep_alive_timeout,
-            max_connections=settings.max_connections,
+            # Each process of --workers holds its share: connections are memory, which is per process.
+            max_connections=-(-settings.max_connections // settings.worker_count()),
             body=BodyLimits.of(settings),
             write_timeout=settings.write_timeout,
         )

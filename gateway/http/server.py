@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
 
 import httptools
-import uvicorn
-from starlette.types import ASGIApp
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from gateway.config import Settings
 from gateway.errors import (
     GatewayError,
     HeadersTooLarge,
@@ -50,6 +48,7 @@ from gateway.http.errors import status_and_type
 from gateway.http.limits import ConnectionLimits
 from gateway.http.refusals import head_too_large, parse_error, render
 from gateway.http.stall import WriteStall
+from gateway.http.stream_out import CONNECTION
 from gateway.http.transport import LingeringTransport, unread
 
 log = logging.getLogger(__name__)
@@ -84,7 +83,8 @@ class GuardProtocol(HttpToolsProtocol):
     # and every attribute access of the protocol, uvicorn's included, got slower (measured: +5 us a request).
     __slots__ = (
         "_begin_read_len", "_body_raw", "_body_start", "_content_length", "_deadline", "_deferred", "_head_raw",
-        "_late_read", "_messages", "_phase", "_read_len", "_refusal", "_stall", "_timer", "_timer_at", "_uploading",
+        "_late_read", "_messages", "_on_lost", "_phase", "_read_len", "_refusal", "_stall", "_timer", "_timer_at",
+        "_uploading",
     )
 
     def __init__(
@@ -111,6 +111,7 @@ class GuardProtocol(HttpToolsProtocol):
         self._uploading = False  # lingering, the client was sending a body: its bytes extend the linger
         self._late_read = False  # the current head's or body's deadline was deferred for unread bytes (once)
         self._stall = WriteStall(self.loop, self.limits.write_timeout)
+        self._on_lost: Callable[[], None] | None = None  # a stream's to call when the client goes away
 
     # -- the one timer ----------------------------------------------------------------------------
     def _arm(self, phase: int, deadline: float) -> None:
@@ -176,6 +177,14 @@ class GuardProtocol(HttpToolsProtocol):
         self._stall.resumed()
         self._deadline = None
         super().connection_lost(exc)
+        lost, self._on_lost = self._on_lost, None
+        if lost is not None:
+            lost()
+
+    def on_lost(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` (once) if the connection is lost: a stream's, while it writes straight to the
+        transport (``stream_out.DirectOut``); None: no more."""
+        self._on_lost = callback
 
     def data_received(self, data: bytes) -> None:
         phase, messages = self._phase, self._messages
@@ -270,6 +279,8 @@ class GuardProtocol(HttpToolsProtocol):
                 f"the limit is {limits.body.max_bytes} bytes."
             ))
         super().on_headers_complete()
+        # The request's connection, for a stream that writes its events straight to the transport.
+        self.scope["extensions"] = {CONNECTION: (self, self.cycle)}  # type: ignore[dict-item]
         # Until the body is whole (data_received sees it), the body's limits hold.
         now = self.loop.time()
         self._body_start = now
@@ -368,33 +379,3 @@ class GuardProtocol(HttpToolsProtocol):
         self._body_raw += size
         now = self.loop.time()
         self._deadline = min(now + LINGER, self._body_start + max(LINGER, self.limits.body.due(self._body_raw)))
-
-
-def protocol_class(limits: ConnectionLimits) -> type[GuardProtocol]:
-    """uvicorn builds one protocol per connection from a class: this one carries ``limits``."""
-    return type("GuardProtocol", (GuardProtocol,), {"limits": limits, "_body_first": limits.body.due(0)})
-
-
-def server_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Config:
-    """The uvicorn configuration the gateway serves with; tests override only what a test needs (log level)."""
-    options: dict[str, Any] = {
-        "host": settings.host,
-        "port": settings.port,
-        "log_level": settings.log_level,
-        "access_log": False,
-        "timeout_graceful_shutdown": 10,
-        "lifespan": "on",
-        "loop": "auto",  # uvloop when installed
-        "http": protocol_class(ConnectionLimits.of(settings)),
-        "ws": "none",  # the gateway serves no websockets: one protocol less to reach
-        # The gateway does not read forwarded-for headers nor needs Server/Date headers; each cost per request.
-        "proxy_headers": False,
-        "server_header": False,
-        "date_header": False,
-    }
-    options.update(overrides)
-    return uvicorn.Config(app, **options)
-
-
-def build_server(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Server:
-    return uvicorn.Server(server_config(app, settings, **overrides))

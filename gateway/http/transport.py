@@ -21,6 +21,11 @@ class LingeringTransport:
         self._transport = transport
         self._linger = linger
 
+    @property
+    def raw(self) -> asyncio.Transport:
+        """The transport itself, for writes on the hottest path (a stream's events): no attribute forwarding."""
+        return self._transport
+
     def close(self) -> None:
         if not self._linger():
             self._transport.close()

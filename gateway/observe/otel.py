@@ -17,7 +17,7 @@ import contextlib
 import re
 import time
 import traceback
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -68,7 +68,7 @@ class OtelTracing(Tracing):
 class OtelRequestTrace(RequestTrace):
     """One request's span (kind server) with a child span per stage, each ended exactly once."""
 
-    __slots__ = ("_admitting", "_done", "_open", "_operation", "_outcome", "_span", "_tracer")
+    __slots__ = ("_admitting", "_done", "_first", "_open", "_operation", "_outcome", "_reasons", "_span", "_tracer")
 
     def __init__(self, tracer: trace.Tracer, span: Span, operation: str) -> None:
         self._tracer, self._span, self._operation = tracer, span, operation
@@ -76,6 +76,8 @@ class OtelRequestTrace(RequestTrace):
         self._open: list[tuple[Span, int]] = []  # the stages open now, innermost last, with their start (ns)
         self._outcome: str | None = None  # "ok", "error" or "cancelled" once known
         self._done = False
+        self._first = True  # a stream's first event is still to come
+        self._reasons: set[str] = set()  # a stream's finish reasons seen so far
 
     def trace_id(self) -> str | None:
         return format(self._span.get_span_context().trace_id, "032x")
@@ -151,37 +153,27 @@ class OtelRequestTrace(RequestTrace):
                 self._finish_reasons([c.get("finish_reason") for c in _choices(data)])
                 self.set({"gen_ai.response.id": _str(data.get("id")), "gen_ai.response.model": _str(data.get("model"))})
 
-    def stream(self, events: AsyncIterator[bytes], counted: Generated) -> AsyncIterator[bytes]:
-        return self._relay(events, counted)
+    def stream_events(self, events: list[bytes]) -> None:
+        for event in events:
+            if self._first:
+                self._first = False
+                self._first_token()
+            if _FINISH_REASON.search(event) is not None:
+                self._reasons.update(m.decode() for m in _FINISH_REASON.findall(event))
+            if _USAGE.search(event) is not None:  # a client that asked for usage gets it in the last chunk
+                self._usage_of_event(event)
 
-    async def _relay(self, events: AsyncIterator[bytes], counted: Generated) -> AsyncIterator[bytes]:
-        reasons: set[str] = set()
-        first = True
-        try:
-            async for event in events:
-                if first:
-                    first = False
-                    self._first_token()
-                if _FINISH_REASON.search(event) is not None:
-                    reasons.update(m.decode() for m in _FINISH_REASON.findall(event))
-                if _USAGE.search(event) is not None:  # a client that asked for usage gets it in the last chunk
-                    self._usage_of_event(event)
-                yield event
-            self._outcome = "ok"
-        except GeneratorExit:
-            self._outcome = self._outcome or "cancelled"
-            raise
-        except BaseException as exc:
-            self.fail(exc)
+    def stream_end(self, counted: Generated, outcome: str, error: BaseException | None = None) -> None:
+        if error is not None:
+            self.fail(error)
             if self._open:
-                _failed(self._open[-1][0], exc)
-            raise
-        finally:
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            self._span.set_attribute("gen_ai.usage.output_tokens", counted.generated)
-            self._finish_reasons(sorted(reasons))
+                _failed(self._open[-1][0], error)
+        elif outcome == "ok":
+            self._outcome = "ok"
+        else:
+            self._outcome = self._outcome or "cancelled"
+        self._span.set_attribute("gen_ai.usage.output_tokens", counted.generated)
+        self._finish_reasons(sorted(self._reasons))
 
     def _first_token(self) -> None:
         """A span from the exchange's start to the stream's first event (vLLM's time to first token, as the

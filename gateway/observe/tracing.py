@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
@@ -47,10 +48,10 @@ class RequestTrace:
 
     __slots__ = ()
 
-    @contextlib.contextmanager
-    def stage(self, name: str, attributes: Mapping[str, AttrValue] | None = None) -> Iterator[None]:
-        """A child span of the request's span around one stage; an exception leaving it marks it failed."""
-        yield
+    def stage(self, name: str, attributes: Mapping[str, AttrValue] | None = None) -> AbstractContextManager[None]:
+        """A child span of the request's span around one stage; an exception leaving it marks it failed. Off:
+        one shared no-op context, not a generator per stage."""
+        return _NO_STAGE
 
     def set(self, attributes: Mapping[str, AttrValue | None]) -> None:
         """Attributes of the request's span (None values are left out)."""
@@ -68,10 +69,12 @@ class RequestTrace:
     def answer(self, payload: bytes) -> None:
         """A whole answer from the engine: its usage and finish reasons."""
 
-    def stream(self, events: AsyncIterator[bytes], counted: Generated) -> AsyncIterator[bytes]:
-        """The stream's events as they pass: its first token and, at its end, finish reasons and the tokens
-        ``counted`` generated (the reservation's count, which is the engine's own)."""
-        return events
+    def stream_events(self, events: list[bytes]) -> None:
+        """Events of the stream as they pass to the client (its first token, finish reasons, usage)."""
+
+    def stream_end(self, counted: Generated, outcome: str, error: BaseException | None = None) -> None:
+        """The stream is over (``outcome``: ok, error, cancelled; ``error``: what broke it): the tokens ``counted``
+        generated (the reservation's count, the engine's own)."""
 
     def fail(self, exc: BaseException) -> None:
         """The request failed or was refused: the request's span says why."""
@@ -84,6 +87,7 @@ class RequestTrace:
         return None
 
 
+_NO_STAGE: AbstractContextManager[None] = contextlib.nullcontext()
 OFF = RequestTrace()
 
 

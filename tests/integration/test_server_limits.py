@@ -19,7 +19,8 @@ from gateway.config import Settings
 from gateway.errors import PayloadTooLarge, RequestTimeout
 from gateway.http.body import BodyLimits, read_body
 from gateway.http.errors import error_headers
-from gateway.http.server import GuardProtocol, server_config
+from gateway.http.server import GuardProtocol
+from gateway.http.serving import server_config
 from tests.support.harness import GatewayServer, run_gateway
 from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 

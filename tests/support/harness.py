@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -14,7 +15,8 @@ from typing import Any
 from gateway.config import Settings
 from gateway.guard.parts import Parts
 from gateway.http.app import create_app
-from gateway.http.server import build_server
+from gateway.http.serving import build_server, sockets_for
+from gateway.http.workers import WorkerPlan
 
 
 def free_port() -> int:
@@ -45,6 +47,16 @@ class GatewayServer:
         result: dict[str, Any] = self.call(get)
         return result
 
+    def wait_workers(self, count: int, timeout: float = 60.0) -> None:
+        """Until ``count`` worker processes are connected to this gateway's authority (and so serving)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            authority = getattr(self.parts, "authority", None)
+            if authority is not None and authority.serving() >= count:
+                return
+            assert time.monotonic() < deadline, "the gateway's workers did not start"
+            time.sleep(0.05)
+
     def ledger_is_empty(self) -> bool:
         """Nothing booked, in flight or queued: every reservation was given back."""
         status = self.status()
@@ -58,6 +70,11 @@ class GatewayServer:
             time.sleep(0.01)
 
 
+# Every suite can run with the gateway split into processes: VLLM_GUARD_TEST_WORKERS=2 makes each gateway the tests
+# start an admission authority (in this process, whose parts the tests inspect) with one worker process beside it.
+TEST_WORKERS = os.environ.get("VLLM_GUARD_TEST_WORKERS")
+
+
 @contextmanager
 def run_gateway(
     settings: Settings, *, loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop,
@@ -65,10 +82,13 @@ def run_gateway(
 ) -> Iterator[GatewayServer]:
     """``loop_factory``: the gateway's event loop (``uvloop.new_event_loop``: the loop ``vllm-guard serve`` runs on)."""
     port = free_port()
+    if TEST_WORKERS and "workers" not in overrides:
+        overrides["workers"] = TEST_WORKERS
     settings = settings.model_copy(update={"host": "127.0.0.1", "port": port, **overrides})
     if isinstance(settings.upstream, str):  # a copy is not validated: one URL given as the flag's value is
         settings = settings.model_copy(update={"upstream": [settings.upstream]})
-    app = create_app(settings)
+    plan = WorkerPlan.for_settings(settings)
+    app = create_app(settings, plan)
     # The production server and its connection limits; only the log level differs.
     server = build_server(app, settings, log_level="warning")
     loop_box: list[asyncio.AbstractEventLoop] = []
@@ -77,7 +97,7 @@ def run_gateway(
         loop = loop_factory()
         loop_box.append(loop)
         asyncio.set_event_loop(loop)
-        loop.run_until_complete(server.serve())
+        loop.run_until_complete(server.serve(sockets=sockets_for(settings, plan)))
         loop.close()
 
     thread = threading.Thread(target=run, name=f"gateway-{port}", daemon=True)
@@ -87,8 +107,13 @@ def run_gateway(
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the gateway did not start")
         time.sleep(0.01)
+    gw = GatewayServer(f"http://127.0.0.1:{port}", app, loop_box[0])
+    if plan is not None:
+        gw.wait_workers(plan.count - 1)
     try:
-        yield GatewayServer(f"http://127.0.0.1:{port}", app, loop_box[0])
+        yield gw
     finally:
         server.should_exit = True
         thread.join(30)
+        if plan is not None:
+            plan.remove()

@@ -24,8 +24,12 @@ ALLOWED: dict[str, set[str]] = {
     "tenants": {"base", "tenants"},
     "observe": {"base", "engine", "admission", "managed", "observe"},
     "guard": {"base", "engine", "admission", "managed", "observe", "tenants", "guard"},
-    "http": {"base", "engine", "admission", "managed", "observe", "tenants", "guard", "http"},
-    "cli": {"base", "engine", "admission", "managed", "observe", "tenants", "guard", "http", "tools", "cli"},
+    # The processes of --workers: the authority's side and the workers' (below the HTTP layer, which runs them).
+    "workers": {"base", "engine", "admission", "managed", "observe", "tenants", "guard", "workers"},
+    "http": {"base", "engine", "admission", "managed", "observe", "tenants", "guard", "workers", "http"},
+    "cli": {
+        "base", "engine", "admission", "managed", "observe", "tenants", "guard", "workers", "http", "tools", "cli",
+    },
 }
 WEB_FRAMEWORKS = ("starlette", "fastapi", "uvicorn")
 MAX_MODULE_LINES = 400

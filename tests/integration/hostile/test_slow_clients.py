@@ -210,7 +210,8 @@ async def test_connections_past_the_cap_get_503_in_openai_shape(sim: SimServer, 
         tokenizer_dir, upstream=sim.url, upstream_api_key=UPSTREAM_KEY, max_connections=4, header_timeout=5.0,
         keep_alive_timeout=5.0,
     )
-    with run_gateway(settings) as server:
+    # One process: with --workers each process holds its share of the cap (the kernel picks the process).
+    with run_gateway(settings, workers="1") as server:
         target = Target(server, None, BODY)
         host, port = host_port(server.url)
         held = [await asyncio.open_connection(host, port) for _ in range(4)]

@@ -3,7 +3,6 @@ listing while the first engine has not come up."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -15,54 +14,23 @@ from gateway.errors import UpstreamUnavailable
 from gateway.guard import pipeline
 from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
-from gateway.http.relay import EventStreamResponse
+from gateway.http.relay import StreamAnswer
+from gateway.http.stream_out import HeldBytes
 from gateway.metrics import Metrics
+from gateway.observe.tracing import OFF
+from tests.support.fake_stream import FakeReservation, FakeStream, FakeUpstream
 
 
-class FakeStream:
-    headers = {"content-type": "text/event-stream"}
-    status = 200
-
-    def __init__(self) -> None:
-        self.closed = 0
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        yield b"data: {}\n\n"
-
-    def close(self) -> None:
-        self.closed += 1
-
-
-class FakeUpstream:
-    def __init__(self, stream: FakeStream) -> None:
-        self.stream = stream
-
-    async def open(self, method: str, path: str, **kw: Any) -> FakeStream:
-        return self.stream
-
-
-class FakeReservation:
-    def __init__(self) -> None:
-        self.released: list[bool] = []
-        self.target = None  # not placed: the gateway's one engine
-
-    def observe_output_tokens(self, generated: int) -> None:
-        pass
-
-    def release(self, *, completed: bool = True) -> None:
-        self.released.append(completed)
-
-
-async def started_stream() -> tuple[EventStreamResponse, FakeStream, FakeReservation, Parts]:
-    stream, reservation = FakeStream(), FakeReservation()
+async def started_stream() -> tuple[StreamAnswer, FakeStream, FakeReservation, Parts]:
+    stream, reservation = FakeStream([b"data: {}\n\n"]), FakeReservation()
     parts = Parts(Settings(), Metrics(), Engine(FakeUpstream(stream), None, None), None)  # type: ignore[arg-type]
     ctx = RequestContext("r1", "chat", "/v1/chat/completions", {})
     answer = pipeline.exchange_with_engine(
         parts, ctx, b"{}", Booking(1, 1, 1, stream=True), reservation  # type: ignore[arg-type]
     )
     head = await anext(answer)
-    assert isinstance(head, Reply) and head.events is not None
-    return EventStreamResponse(answer, head.events, head.headers), stream, reservation, parts
+    assert isinstance(head, Reply) and head.stream is not None
+    return StreamAnswer(answer, head.stream, head.headers, HeldBytes(1 << 30), OFF), stream, reservation, parts
 
 
 async def test_a_client_gone_before_the_first_byte_still_frees_everything_once() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +19,12 @@ from gateway.errors import BadUpstreamResponse, UpstreamUnavailable
 from gateway.guard import pipeline
 from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
-from gateway.http.relay import EventStreamResponse
+from gateway.http.relay import StreamAnswer
+from gateway.http.stream_out import HeldBytes
 from gateway.metrics import Metrics
+from gateway.observe.tracing import OFF
 from tests.support.bad_upstream import BadUpstream, RawReply, chunked, is_one_whole_event, raw_request, run_bad_upstream
+from tests.support.fake_stream import FakeReservation, FakeStream, FakeUpstream
 from tests.support.harness import GatewayServer, run_gateway
 
 # A chat stream as vLLM writes it: multi-byte UTF-8 inside, one event per token, then [DONE].
@@ -102,47 +105,6 @@ class TestFraming:
 
 
 # -- the relay, without a network -----------------------------------------------------------------
-class FakeStream:
-    status = 200
-
-    def __init__(self, pieces: list[bytes], fail: Exception | None = None, encoding: str | None = None) -> None:
-        self.pieces, self.fail = pieces, fail
-        self.headers = {"content-type": "text/event-stream"}
-        if encoding is not None:
-            self.headers["content-encoding"] = encoding
-        self.closed = 0
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        for piece in self.pieces:
-            yield piece
-        if self.fail is not None:
-            raise self.fail
-
-    def close(self) -> None:
-        self.closed += 1
-
-
-class FakeReservation:
-    def __init__(self) -> None:
-        self.observed: list[int] = []
-        self.released: list[bool] = []
-        self.target = None  # not placed: the gateway's one engine
-
-    def observe_output_tokens(self, generated: int) -> None:
-        self.observed.append(generated)
-
-    def release(self, *, completed: bool = True) -> None:
-        self.released.append(completed)
-
-
-class FakeUpstream:
-    def __init__(self, stream: FakeStream) -> None:
-        self.stream = stream
-
-    async def open(self, method: str, path: str, **kw: Any) -> FakeStream:
-        return self.stream
-
-
 def fake_parts(stream: FakeStream) -> Parts:
     return Parts(Settings(), Metrics(), Engine(FakeUpstream(stream), None, None), None)  # type: ignore[arg-type]
 
@@ -153,7 +115,7 @@ def stream_answer(parts: Parts, reservation: FakeReservation) -> AsyncGenerator[
     return pipeline.exchange_with_engine(parts, ctx, b"{}", booking, reservation)  # type: ignore[arg-type]
 
 
-async def written(response: EventStreamResponse) -> list[bytes]:
+async def written(response: StreamAnswer) -> list[bytes]:
     """What a client receives, write by write."""
     sent: list[dict[str, Any]] = []
 
@@ -173,8 +135,9 @@ async def relay_all(stream: FakeStream) -> tuple[list[bytes], FakeReservation, P
     parts = fake_parts(stream)
     answer = stream_answer(parts, reservation)
     head = await anext(answer)
-    assert isinstance(head, Reply) and head.events is not None
-    return await written(EventStreamResponse(answer, head.events, head.headers)), reservation, parts
+    assert isinstance(head, Reply) and head.stream is not None
+    response = StreamAnswer(answer, head.stream, head.headers, HeldBytes(1 << 30), OFF)
+    return await written(response), reservation, parts
 
 
 def error_of(write: bytes) -> dict[str, Any]:
@@ -217,8 +180,7 @@ class TestStreamRelay:
         assert writes == EVENTS and reservation.released == [True]
 
     async def test_a_stream_answered_with_another_content_type_is_502_and_frees_everything_once(self) -> None:
-        stream = FakeStream([b"{}"])
-        stream.headers["content-type"] = "application/json"
+        stream = FakeStream([b"{}"], content_type="application/json")
         parts, reservation = fake_parts(stream), FakeReservation()
         with pytest.raises(BadUpstreamResponse):
             await anext(stream_answer(parts, reservation))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
@@ -64,11 +63,8 @@ async def test_without_an_endpoint_every_hook_is_a_no_op() -> None:
         trace.set({"gen_ai.request.model": "m"})
     assert trace.headers() == {}
 
-    async def events() -> AsyncIterator[bytes]:
-        yield b"data: {}\n\n"
-
-    stream = events()
-    assert trace.stream(stream, Counted()) is stream  # not even a wrapper on the hot path
+    trace.stream_events([b"data: {}\n\n"])  # one method call per batch of events, nothing more
+    trace.stream_end(Counted(), "ok")
     await tracing.close()
 
 
@@ -238,15 +234,16 @@ async def test_a_stream_reports_its_first_token_and_finish_reasons() -> None:
     tracing, exporter = in_memory()
     trace = tracing.start("chat", {})
 
-    async def events() -> AsyncIterator[bytes]:
-        yield b'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n'
-        yield b'data: {"choices": [{"delta": {}, "finish_reason": "length"}]}\n\n'
-        yield b"data: [DONE]\n\n"
-
+    events = [
+        b'data: {"choices": [{"delta": {"content": "a"}, "finish_reason": null}]}\n\n',
+        b'data: {"choices": [{"delta": {}, "finish_reason": "length"}]}\n\n',
+        b"data: [DONE]\n\n",
+    ]
     with trace.stage("exchange"):
-        got = [event async for event in trace.stream(events(), Counted())]
+        trace.stream_events(events[:1])
+        trace.stream_events(events[1:])
+        trace.stream_end(Counted(), "ok")
     trace.end()
-    assert len(got) == 3
     spans = {s.name: s for s in exporter.get_finished_spans()}
     assert spans["vllm_guard.first_token"].parent.span_id == spans["vllm_guard.exchange"].context.span_id
     root = spans["chat"]

@@ -1,0 +1,76 @@
+"""How the gateway's server is built and bound: uvicorn with the gateway's protocol (``server.GuardProtocol``),
+on the gateway's port (with ``--workers``, one socket per process, ``SO_REUSEPORT``) and, for the admission
+authority, on its private app socket (``workers.WorkerPlan``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from gateway.config import Settings
+from gateway.http.limits import ConnectionLimits
+from gateway.http.server import GuardProtocol
+from gateway.http.workers import WorkerPlan
+
+
+def protocol_class(limits: ConnectionLimits) -> type[GuardProtocol]:
+    """uvicorn builds one protocol per connection from a class: this one carries ``limits``."""
+    return type("GuardProtocol", (GuardProtocol,), {"limits": limits, "_body_first": limits.body.due(0)})
+
+
+def server_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """The uvicorn configuration the gateway serves with; tests override only what a test needs (log level)."""
+    options: dict[str, Any] = {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": settings.log_level,
+        "access_log": False,
+        "timeout_graceful_shutdown": 10,
+        "lifespan": "on",
+        "loop": "auto",  # uvloop when installed
+        "http": protocol_class(ConnectionLimits.of(settings)),
+        "ws": "none",  # the gateway serves no websockets: one protocol less to reach
+        # The gateway does not read forwarded-for headers nor needs Server/Date headers; each cost per request.
+        "proxy_headers": False,
+        "server_header": False,
+        "date_header": False,
+    }
+    options.update(overrides)
+    return uvicorn.Config(app, **options)
+
+
+def build_server(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Server:
+    return uvicorn.Server(server_config(app, settings, **overrides))
+
+
+def listening_socket(settings: Settings, *, shared: bool) -> socket.socket:
+    """The gateway's port, bound (``shared``: with ``SO_REUSEPORT``, one socket per process)."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if shared:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((settings.host, settings.port))
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def private_socket(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    os.chmod(path, 0o600)
+    sock.listen(2048)
+    return sock
+
+
+def sockets_for(settings: Settings, plan: WorkerPlan | None) -> list[socket.socket]:
+    """The sockets the authority's server serves: the port, and with workers its private app socket."""
+    if plan is None:
+        return [listening_socket(settings, shared=False)]
+    return [listening_socket(settings, shared=True), private_socket(plan.private)]

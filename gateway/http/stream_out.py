@@ -1,0 +1,205 @@
+"""Writing a guarded stream's events to its client, and bounding what waits for slow readers.
+
+``DirectOut`` writes each batch of events straight to the client's transport, one HTTP chunk per event (clients
+that parse one event per read, as vLLM writes them, see whole events) and one write for the batch, from the
+engine's read callback: no ASGI message, task or queue per event. What the client has not read yet waits in its
+transport's buffer; a client that lets more than ``--max-buffered-bytes`` wait is cut (``ClientTooSlow``), and
+so are the largest holders first when all clients together hold more than ``--max-total-buffered-bytes``
+(``HeldBytes``): the gateway's memory for slow readers stays bounded however many there are.
+
+Under a server other than the gateway's own (``server.GuardProtocol`` puts its connection in the scope), events
+go through ASGI's ``send`` from a writer task instead (``QueueOut``), under the same bounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.types import Send
+
+from gateway.errors import ClientTooSlow, GatewayError
+
+log = logging.getLogger(__name__)
+
+# The scope's extension through which the gateway's server hands a request's connection to its stream.
+CONNECTION = "vllm_guard.connection"
+
+
+def too_slow(waiting: int, limit: int, what: str = "the limit") -> ClientTooSlow:
+    return ClientTooSlow(
+        f"The stream was cut: the client did not read its answer fast enough ({waiting} bytes were waiting for "
+        f"it; {what} is {limit} bytes)."
+    )
+
+
+class HeldBytes:
+    """Bytes waiting for slow readers, summed over every stream of the process, and the bound on them. Each
+    stream's share is what its transport held after its last write (it only shrinks as the client reads, so the
+    sum is an upper bound); past the bound the largest holders are cut first."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.total = 0
+        self._held: dict[Held, int] = {}
+
+    def note(self, holder: Held, size: int) -> None:
+        if not size and holder not in self._held:
+            return  # the usual case: a client that keeps up holds nothing
+        self.total += size - self._held.get(holder, 0)
+        self._held[holder] = size
+        if self.total > self.limit:
+            self._cut_largest()
+
+    def forget(self, holder: Held) -> None:
+        self.total -= self._held.pop(holder, 0)
+
+    def _cut_largest(self) -> None:
+        for holder, size in sorted(self._held.items(), key=lambda item: -item[1]):
+            if self.total <= self.limit:
+                break
+            actual = holder.waiting()  # what it really holds now: it may have read since its last write
+            self.total += actual - size
+            self._held[holder] = actual
+            if self.total > self.limit and actual > 0:
+                self.forget(holder)
+                holder.cut(too_slow(actual, self.limit, "the limit for all streams together"))
+
+
+class Held:
+    """A stream that holds bytes for its client (the ``HeldBytes`` side of a writer)."""
+
+    __slots__ = ()
+
+    def waiting(self) -> int:
+        raise NotImplementedError
+
+    def cut(self, error: GatewayError) -> None:
+        raise NotImplementedError
+
+
+class DirectOut(Held):
+    """A stream's events written straight to its client's transport."""
+
+    __slots__ = ("_buffered", "_chunked", "_cut", "_cycle", "_held", "_limit", "_transport", "_write", "first_at",
+                 "on_cut")
+
+    def __init__(self, cycle: Any, limit: int, held: HeldBytes) -> None:
+        self._cycle = cycle  # uvicorn's request-response cycle: its transport, its framing, its disconnect
+        self._transport = transport = getattr(cycle.transport, "raw", cycle.transport)  # unwrapped
+        self._write, self._buffered = transport.write, transport.get_write_buffer_size
+        self._chunked = bool(cycle.chunked_encoding)
+        self._limit = limit
+        self._held = held
+        self._cut = False
+        self.first_at: float | None = None  # when the first event was written (perf_counter)
+        self.on_cut: Callable[[GatewayError], None] | None = None  # the stream's end, when the bound cuts it
+
+    def send(self, events: list[bytes]) -> None:
+        if self._cut or self._cycle.disconnected:
+            return
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        if self._chunked:
+            data = b"".join([b"%x\r\n%s\r\n" % (len(e), e) for e in events])
+        else:
+            data = events[0] if len(events) == 1 else b"".join(events)
+        self._write(data)
+        waiting = self._buffered()
+        if waiting > self._limit:
+            self._cut = True
+            self._held.forget(self)
+            raise too_slow(waiting, self._limit)
+        self._held.note(self, waiting)
+
+    def waiting(self) -> int:
+        return int(self._transport.get_write_buffer_size())
+
+    def cut(self, error: GatewayError) -> None:
+        self._cut = True
+        if self.on_cut is not None:
+            self.on_cut(error)
+
+    def close(self) -> None:
+        self._held.forget(self)
+
+
+class QueueOut(Held):
+    """A stream's events through ASGI's ``send``, from a writer task (a server without direct writes)."""
+
+    def __init__(self, send: Send, limit: int, held: HeldBytes) -> None:
+        self._send = send
+        self._limit = limit
+        self._held = held
+        self._queue: collections.deque[bytes] = collections.deque()
+        self._size = 0
+        self._wake = asyncio.Event()
+        self._cut = False
+        self._closing = False
+        self._sending = False  # the writer is in a send: held there only while its client does not read
+        self._writer = asyncio.get_running_loop().create_task(self._write(), name="stream-writer")
+        self.first_at: float | None = None
+        self.on_cut: Callable[[GatewayError], None] | None = None
+
+    def send(self, events: list[bytes]) -> None:
+        if self._cut:
+            return
+        if self.first_at is None:
+            self.first_at = time.perf_counter()
+        self._queue.extend(events)
+        self._size += sum(len(e) for e in events)
+        self._wake.set()
+        # Cut only while the client holds the writer (events from one large read may pass a reading client's
+        # bound for a moment), and never for one event alone: one event of any size may always wait.
+        if self._sending and self._queue and self._size > self._limit:
+            self._cut = True
+            self._queue.clear()
+            self._held.forget(self)
+            raise too_slow(self._size, self._limit)
+        self._held.note(self, self._size)
+
+    async def _write(self) -> None:
+        while True:
+            while self._queue:
+                event = self._queue.popleft()
+                self._sending = True
+                await self._send({"type": "http.response.body", "body": event, "more_body": True})
+                self._sending = False
+                self._size -= len(event)
+                self._held.note(self, self._size)
+            if self._closing:
+                return
+            await self._wake.wait()
+            self._wake.clear()
+
+    async def drain(self) -> None:
+        """Write what waits (the stream is over), then stop the writer."""
+        self._closing = True
+        self._wake.set()
+        try:
+            await self._writer
+        finally:
+            self._held.forget(self)
+
+    async def stop(self) -> None:
+        self._writer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._writer
+        self._held.forget(self)
+
+    def waiting(self) -> int:
+        return self._size
+
+    def cut(self, error: GatewayError) -> None:
+        self._cut = True
+        self._queue.clear()
+        if self.on_cut is not None:
+            self.on_cut(error)
+
+    def close(self) -> None:
+        self._held.forget(self)

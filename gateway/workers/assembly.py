@@ -1,0 +1,112 @@
+"""A worker process's parts: its own clients to the engines, tokenizers and metrics; the authority's admission,
+tenant limits and view of the engines (``remote.py``, ``mirror.py``).
+
+What a worker counts, checks and relays it does itself, on its own core; what must be one for the whole gateway
+(the KV books, the queue, the tenants' windows, the engines' health and the managed engines) it asks of, or
+learns from, the authority. Its engines' views are never started (the authority scrapes), and its progress
+detectors judge nothing: they pass what this process sees (streams opened and closed, chunks, whole answers) to
+the authority, whose detectors judge, and apply the authority's judgement here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from gateway.config import Settings
+from gateway.engine.client import Upstream
+from gateway.engine.engine import Engine
+from gateway.engine.live import EngineView
+from gateway.engine.progress import ProgressDetector
+from gateway.guard.models import Models
+from gateway.guard.parts import Parts
+from gateway.metrics import Metrics
+from gateway.workers.mirror import MirroredEngine, SupervisorMirror
+from gateway.workers.remote import AuthorityClient, ForwardedAccessLog, RemoteAdmission, RemoteTenants
+
+
+class ForwardingProgress(ProgressDetector):
+    """A worker's detector for one engine: what it sees goes to the authority (batched by the client)."""
+
+    def __init__(self, client: AuthorityClient, index: int, settings: Settings, metrics: Metrics) -> None:
+        super().__init__(settings.hang_timeout, metrics=metrics)
+        self._client, self._index = client, index
+
+    def opened(self) -> None:
+        super().opened()
+        self._client.engine_moved(self._index, opened=1)
+
+    def closed(self) -> None:
+        super().closed()
+        self._client.engine_moved(self._index, opened=-1)
+
+    def stream_moved(self) -> None:
+        self._client.engine_moved(self._index, chunks=1)
+
+    def answered(self) -> None:
+        super().answered()
+        self._client.engine_moved(self._index, answers=1)
+
+    def mirror(self, hung: bool, detail: str | None) -> None:
+        """The authority's judgement, applied here: becoming hung cuts this process's requests in flight to the
+        engine as the judgement does where it is made."""
+        if hung and self.hung_since is None:
+            self.hung_since = self._clock()
+            self.detail = detail
+            cut = self.error(cut=True)
+            for abort in list(self._watchers.values()):
+                abort(cut)
+        elif not hung:
+            self.hung_since, self.detail = None, None
+
+
+def _base_url(settings: Settings, supervisors: list[SupervisorMirror], i: int) -> Callable[[], str]:
+    """Engine ``i``'s URL: a managed engine's as the authority last said (it moves with restarts)."""
+    if settings.managed:
+        sup = supervisors[i]
+        return lambda: sup.url
+    url = settings.upstream[i]
+    return lambda: url
+
+
+async def build_worker_parts(
+    settings: Settings, stack: contextlib.AsyncExitStack, channel: str
+) -> tuple[Parts, AuthorityClient]:
+    metrics = Metrics()
+    executor = stack.enter_context(ThreadPoolExecutor(max_workers=2, thread_name_prefix="tokenize"))
+    client = AuthorityClient(None, settings)  # type: ignore[arg-type]  # its parts are set below
+    count = settings.engine_count() if settings.managed else len(settings.upstream)
+    supervisors = [SupervisorMirror() for _ in range(count)] if settings.managed else []
+    client.supervisors = supervisors
+    engines: list[Engine[Models]] = []
+    for i in range(count):
+        upstream = Upstream(settings, base_url=_base_url(settings, supervisors, i))
+        await upstream.start()
+        stack.push_async_callback(upstream.close)
+        models = Models(settings, upstream, metrics, executor)
+        stack.push_async_callback(models.templates.close)
+        stack.push_async_callback(models.close)
+        view = EngineView(
+            upstream.get, interval=settings.scrape_interval, stale_after=settings.metrics_stale_after, metrics=metrics
+        )
+        progress = ForwardingProgress(client, i, settings, metrics)
+        engines.append(MirroredEngine(upstream, models, view, progress))
+    parts = Parts(
+        settings, metrics, engines[0], RemoteAdmission(client, settings),  # type: ignore[arg-type]
+        tenants=RemoteTenants(settings, metrics, client), engines=engines,
+        supervisors=supervisors,  # type: ignore[arg-type]
+        supervisor=supervisors[0] if supervisors else None,  # type: ignore[arg-type]
+    )
+    client.parts = parts
+    for engine in engines:
+        engine.fingerprint.on_learn = client.flush  # learned here: the authority and the others are told at once
+    parts.access_log = ForwardedAccessLog(settings.access_log, client)
+    await parts.tenants.start()  # type: ignore[union-attr]  # the keys file, reloaded on change
+    stack.push_async_callback(parts.tenants.close)  # type: ignore[union-attr]
+    await client.connect(channel)
+    stack.push_async_callback(client.close)
+    if engines[0].models.cached is not None:
+        with contextlib.suppress(Exception):
+            await engines[0].models.counter()  # the tokenizer now, not on the first request
+    return parts, client

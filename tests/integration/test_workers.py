@@ -1,0 +1,151 @@
+"""``--workers 2``: two processes serve the port; the admission, the tenants' limits and what ``/metrics`` and
+the access log report stay one, as with one process; a worker that dies gives back what it held and is
+restarted.
+
+The gateway under test is an admission authority in this process (its parts are inspected directly) with one
+worker process beside it; the engine is the vLLM simulator, which allocates KV blocks as vLLM does and counts
+its own preemptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gateway.config import Settings
+from tests.support.harness import GatewayServer, run_gateway
+from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+
+BLOCKS = 32
+BLOCK = 16
+# 40 completions of 16 prompt + 32 output tokens (3 blocks each) against an engine of 32 blocks.
+FLOOD, PROMPT, OUTPUT = 40, 16, 32
+
+
+def completion(**extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": [7] * PROMPT, "max_tokens": OUTPUT, **extra}
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[SimServer]:
+    config = SimConfig(model="tiny", max_model_len=2048, num_blocks=BLOCKS, block_size=BLOCK, token_delay=0.003)
+    with run_sim_server(config) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gateway(sim: SimServer, tokenizer_dir: Path) -> Iterator[GatewayServer]:
+    settings = Settings(
+        tokenizer=str(tokenizer_dir), scrape_interval=0.05, admission_policy="strict", kv_target=0.9,
+        queue_timeout=30.0,
+    )
+    with run_gateway(settings, upstream=sim.url, workers="2") as gw:
+        yield gw
+
+
+def worker_pid(gw: GatewayServer) -> int:
+    authority = gw.parts.authority
+    assert authority is not None and authority.serving() == 1
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_worker(int(p))]
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def _is_worker(pid: int) -> bool:
+    """A worker process this test process started (the authority runs here, in a thread)."""
+    with contextlib.suppress(OSError):
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        return b"gateway.http.worker_main" in cmd and _parent(pid) == os.getpid()
+    return False
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def flood(url: str, n: int, body: dict[str, Any]) -> list[httpx.Response]:
+    """n requests at once, each on its own connection (so the kernel spreads them over both processes)."""
+    async def one() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=60.0) as client:
+            return await client.post(url + "/v1/completions", json=body)
+
+    return await asyncio.gather(*(one() for _ in range(n)))
+
+
+def committed_peak(gw: GatewayServer, stop: list[bool], seen: list[int]) -> None:
+    while not stop[0]:
+        seen.append(gw.status()["committed_blocks"])
+        time.sleep(0.002)
+
+
+def test_both_processes_serve_and_the_books_never_pass_the_budget(gateway: GatewayServer, sim: SimServer) -> None:
+    import threading
+
+    pid = worker_pid(gateway)
+    before_worker, preempted = cpu_seconds(pid), sim.sim.preemptions_total
+    stop, seen = [False], []
+    watcher = threading.Thread(target=committed_peak, args=(gateway, stop, seen))
+    watcher.start()
+    try:
+        answers = asyncio.run(flood(gateway.url, FLOOD, completion(ignore_eos=True)))
+    finally:
+        stop[0] = True
+        watcher.join()
+    assert [r.status_code for r in answers] == [200] * FLOOD
+    assert cpu_seconds(pid) > before_worker, "the worker process served none of the flood"
+    assert max(seen) <= int(0.9 * BLOCKS) and sim.sim.preemptions_total == preempted  # strict: one ledger for both
+    gateway.wait_ledger_empty()
+
+
+def test_metrics_add_up_every_process(gateway: GatewayServer) -> None:
+    def served() -> float:
+        text = httpx.get(gateway.url + "/metrics").text
+        for family in text_string_to_metric_families(text):
+            if family.name == "vllm_guard_requests":
+                return sum(s.value for s in family.samples
+                           if s.name.endswith("_total") and s.labels == {"route": "completions", "outcome": "ok"})
+        return 0.0
+
+    before = served()
+    answers = asyncio.run(flood(gateway.url, 12, completion()))
+    assert all(r.status_code == 200 for r in answers)
+    assert served() - before == 12
+    own = gateway.parts.metrics.requests.labels("completions", "ok")._value.get()
+    assert own < served(), "the authority's own count alone: the worker's requests were not added"
+
+
+def test_a_worker_that_dies_gives_back_what_it_held_and_comes_back(gateway: GatewayServer) -> None:
+    async def streams() -> None:
+        async with httpx.AsyncClient(timeout=30.0) as client:
+            async def one() -> None:
+                with contextlib.suppress(httpx.HTTPError):
+                    async with client.stream("POST", gateway.url + "/v1/completions",
+                                             json=completion(max_tokens=400, stream=True, ignore_eos=True)) as r:
+                        async for _ in r.aiter_bytes():
+                            pass
+
+            tasks = [asyncio.create_task(one()) for _ in range(8)]
+            await asyncio.sleep(0.5)
+            os.kill(worker_pid(gateway), signal.SIGKILL)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(streams())
+    gateway.wait_ledger_empty(timeout=10.0)
+    gateway.wait_workers(1, timeout=60.0)
+    answers = asyncio.run(flood(gateway.url, 8, completion()))
+    assert [r.status_code for r in answers] == [200] * 8

@@ -1,0 +1,165 @@
+"""A guarded stream follows the engine, not its client: the engine's events are read as they come and wait for
+a slow client bounded in bytes, the reservation is given back when the engine's stream ends, a client that
+lets more than the bound wait is cut with an error event, and past the bound for all streams together the
+largest holders are cut first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import orjson
+
+from gateway.config import Settings
+from gateway.engine.engine import Engine
+from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.guard import pipeline
+from gateway.guard.context import Booking, Reply, RequestContext
+from gateway.guard.parts import Parts
+from gateway.http.relay import StreamAnswer
+from gateway.http.stream_out import Held, HeldBytes
+from gateway.metrics import Metrics
+from gateway.observe.tracing import OFF
+from tests.support.fake_stream import FakeReservation, FakeStream, FakeUpstream
+
+SCOPE = {"type": "http", "asgi": {"spec_version": "2.4"}}
+EVENTS = [b"data: " + b"%04d" % i + b"x" * 88 + b"\n\n" for i in range(50)]  # 100 bytes each
+
+
+class Client:
+    """A client whose reading is held until ``reading`` is set."""
+
+    def __init__(self, reads: bool) -> None:
+        self.reading = asyncio.Event()
+        if reads:
+            self.reading.set()
+        self.got: list[bytes] = []
+        self.ended = False
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if message["type"] != "http.response.body":
+            return
+        await self.reading.wait()
+        if message.get("body"):
+            self.got.append(message["body"])
+        if not message.get("more_body", False):
+            self.ended = True
+
+    async def receive(self) -> dict[str, Any]:
+        await asyncio.Event().wait()  # the client stays
+        return {}
+
+
+async def started(
+    stream: FakeStream, client: Client, limit: int, held: HeldBytes | None = None
+) -> tuple[asyncio.Task[None], FakeReservation]:
+    reservation = FakeReservation()
+    parts = Parts(Settings(), Metrics(), Engine(FakeUpstream(stream), None, None), None)  # type: ignore[arg-type]
+    ctx = RequestContext("r1", "chat", "/v1/chat/completions", {})
+    answer: AsyncGenerator[Reply, None] = pipeline.exchange_with_engine(
+        parts, ctx, b"{}", Booking(1, 1, 1, stream=True), reservation  # type: ignore[arg-type]
+    )
+    head = await anext(answer)
+    assert head.stream is not None
+    response = StreamAnswer(answer, head.stream, {}, held or HeldBytes(1 << 30), OFF, limit)
+    return asyncio.create_task(response(SCOPE, client.receive, client.send)), reservation
+
+
+async def test_the_reservation_is_given_back_when_the_engine_is_done_though_the_client_reads_nothing() -> None:
+    stream, client = FakeStream(EVENTS), Client(reads=False)
+    task, reservation = await started(stream, client, limit=64 * 1024)
+    await asyncio.wait_for(stream.ended.wait(), 2)
+    await asyncio.sleep(0)
+    assert stream.read == len(EVENTS) and client.got == [] and reservation.released == [True]
+    client.reading.set()  # the client reads at last: it gets the whole answer
+    await asyncio.wait_for(task, 2)
+    assert client.got == EVENTS and client.ended
+
+
+async def test_a_client_that_lets_more_than_the_bound_wait_is_cut_with_an_error_event() -> None:
+    stream, client = FakeStream(EVENTS), Client(reads=False)
+    task, reservation = await started(stream, client, limit=1000)
+    await asyncio.wait_for(stream.ended.wait(), 2)
+    assert stream.read < len(EVENTS) and stream.closed  # the engine's request was cancelled
+    assert reservation.released == [False]
+    client.reading.set()
+    await asyncio.wait_for(task, 2)
+    *events, error, done = client.got
+    assert len(events) <= 1 and done == b"data: [DONE]\n\n"
+    err = orjson.loads(error[6:])["error"]
+    assert err["code"] == "client_too_slow" and "1000 bytes" in err["message"]
+
+
+async def test_many_events_from_one_read_past_the_bound_reach_a_client_that_reads() -> None:
+    stream, client = FakeStream(EVENTS, one_read=True), Client(reads=True)
+    task, _ = await started(stream, client, limit=1000)
+    await asyncio.wait_for(task, 2)
+    assert client.got == EVENTS  # the writer took them before anything was cut
+
+
+async def test_one_event_larger_than_the_bound_reaches_a_client_that_reads() -> None:
+    big = b"data: " + b"y" * 5000 + b"\n\n"
+    stream, client = FakeStream([big, *EVENTS[:3]]), Client(reads=True)
+    task, _ = await started(stream, client, limit=1000)
+    await asyncio.wait_for(task, 2)
+    assert client.got == [big, *EVENTS[:3]]
+
+
+async def test_an_engine_break_is_told_after_the_events_it_sent() -> None:
+    stream = FakeStream(EVENTS[:2], fail=UpstreamUnavailable("The upstream dropped the stream: reset"))
+    client = Client(reads=True)
+    task, reservation = await started(stream, client, limit=64 * 1024)
+    await asyncio.wait_for(task, 2)
+    assert client.got[:2] == EVENTS[:2]
+    assert orjson.loads(client.got[2][6:])["error"]["code"] == "upstream_unavailable"
+    assert reservation.released == [False]
+
+
+async def test_a_client_gone_mid_stream_aborts_the_engines_request_and_frees_everything() -> None:
+    stream, client = FakeStream([*EVENTS] * 100), Client(reads=False)
+    task, reservation = await started(stream, client, limit=10**9)
+    await asyncio.wait_for(stream.reading.wait(), 2)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert stream.closed and stream.read < len(EVENTS) * 100 and reservation.released == [False]
+
+
+class Holder(Held):
+    def __init__(self, name: str, size: int, cuts: list[str]) -> None:
+        self.name, self.size, self.cuts = name, size, cuts
+
+    def waiting(self) -> int:
+        return self.size
+
+    def cut(self, error: GatewayError) -> None:
+        assert error.code == "client_too_slow"
+        self.cuts.append(self.name)
+
+
+def test_past_the_bound_for_all_streams_the_largest_holders_are_cut_first() -> None:
+    held, cuts = HeldBytes(1000), []
+    small, middle, large = (Holder(n, s, cuts) for n, s in (("small", 200), ("middle", 300), ("large", 450)))
+    for holder in (small, middle, large):
+        held.note(holder, holder.size)
+    assert cuts == [] and held.total == 950
+    middle.size = 400
+    held.note(middle, 400)  # 1,050: the largest goes
+    assert cuts == ["large"] and held.total == 600
+
+
+def test_a_holder_that_read_since_its_last_write_is_counted_as_it_is_now() -> None:
+    held, cuts = HeldBytes(1000), []
+    reader, writer = Holder("reader", 900, cuts), Holder("writer", 200, cuts)
+    held.note(reader, 900)
+    reader.size = 0  # it read everything since
+    held.note(writer, 200)
+    assert cuts == [] and held.total == 200
+
+
+def test_a_client_that_keeps_up_holds_nothing() -> None:
+    held, cuts = HeldBytes(1000), []
+    held.note(Holder("quick", 0, cuts), 0)
+    assert held.total == 0 and cuts == []
