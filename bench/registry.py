@@ -20,6 +20,7 @@ MODULES = {
     "restart": "bench.benchmarks.restart",
     "soak": "bench.benchmarks.soak",
     "counting": "bench.benchmarks.counting",
+    "access-log": "bench.benchmarks.access_log",
     "trace": "bench.benchmarks.trace",
     "http-clients": "bench.benchmarks.http_clients",
     "gpu-check": "bench.benchmarks.gpu_check",
