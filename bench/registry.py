@@ -19,6 +19,7 @@ MODULES = {
     "tenants": "bench.benchmarks.tenants",
     "restart": "bench.benchmarks.restart",
     "soak": "bench.benchmarks.soak",
+    "slow-readers": "bench.benchmarks.slow_readers",
     "counting": "bench.benchmarks.counting",
     "trace": "bench.benchmarks.trace",
     "http-clients": "bench.benchmarks.http_clients",
