@@ -18,6 +18,7 @@ MODULES = {
     "rolling": "bench.benchmarks.rolling",
     "tenants": "bench.benchmarks.tenants",
     "restart": "bench.benchmarks.restart",
+    "stages": "bench.benchmarks.stages",
     "soak": "bench.benchmarks.soak",
     "slow-readers": "bench.benchmarks.slow_readers",
     "counting": "bench.benchmarks.counting",
