@@ -13,9 +13,11 @@ against every target in a rotating order:
 - ``streams``: streams of 20 tokens with no delay between them, 16 at a time: streams a second.
 
 Each target's CPU per request (its process and children, every thread, from /proc) and the engine's; the load
-generator's own CPU. Target ``page`` is the gateway measured again with its live page open (``/guard/ui/data``
-polled once a second, as an open page does); ``--engine simulator`` puts the test suite's vLLM simulator behind
-the proxies instead of the fake engine (slower: its own CPU then binds first on the shared core).
+generator's own CPU. Target ``workers`` is this tree's gateway with ``--workers N`` (``--workers``, 2) on the same
+core(s) as the others: the coordination's cost, not more cores. Target ``page`` is the gateway measured again
+with its live page open (``/guard/ui/data`` polled once a second, as an open page does); ``--engine simulator``
+puts the test suite's vLLM simulator behind the proxies instead of the fake engine (slower: its own CPU then
+binds first on the shared core).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from bench.workloads import wrk
 from bench.workloads.streams import stream_body
 
 SUMMARY = "added latency, chats/s at 64 concurrent, /health, CPU per request: engine alone, gateway, vllm-router"
-TARGETS = ["engine", "gateway", "router", "page"]
+TARGETS = ["engine", "gateway", "router", "page", "workers"]
 DEFAULT_TARGETS = ["engine", "gateway", "router"]
 GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
 PHASES = ("c1", "c64", "health", "streams")
@@ -62,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(seconds=5.0)
     parser.add_argument("--engine", choices=("fake", "simulator"), default="fake",
                         help="the engine behind every target (default: the fast fake engine)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="the 'workers' target: the gateway with --workers N on the proxies' cores (2)")
     parser.add_argument("--phase", action="append", choices=PHASES, default=None, help="repeatable; default all")
 
 
@@ -78,6 +82,9 @@ def start_targets(ctx: Context, names: list[str]) -> dict[str, Target]:
     if "baseline" in names:
         started.append(proxies.gateway(ctx, "baseline", [engine], flags=GATEWAY_FLAGS, tokenizer=tok,
                                        commit=args.baseline_commit))
+    if "workers" in names:
+        started.append(proxies.gateway(ctx, "workers", [engine], flags=(*GATEWAY_FLAGS, "--workers", str(args.workers)),
+                                       tokenizer=tok))
     if "router" in names:
         started.append(proxies.router(ctx, "router", [engine]))
     ctx.start(*started)
@@ -174,5 +181,6 @@ def run(ctx: Context) -> Result:
 def describe(targets: dict[str, Target], names: list[str]) -> str:
     words = {"engine": "the fake engine alone" if targets["engine"].kind == "fake" else "the simulator alone",
              "gateway": "vllm-guard of this tree", "baseline": "vllm-guard at the baseline commit",
-             "router": f"vllm-router {proxies.ROUTER_VERSION}", "page": "the gateway with its live page open"}
+             "router": f"vllm-router {proxies.ROUTER_VERSION}", "page": "the gateway with its live page open",
+             "workers": "vllm-guard of this tree with --workers N (the proxies' cores shared)"}
     return "; ".join(f"{n}: {words.get(n, n)}" for n in names)

@@ -190,6 +190,7 @@ def measures(loads: list[str], split: bool, waits: list[str]) -> list[Measure]:
                 m("failed", "failed (all runs)", ".0f", "none", "sum"),
                 m("engine_cpu_s", "CPU s engine", ".0f"), m("gateway_cpu_s", "CPU s gateway (or spinner)", ".1f"),
                 m("client_cpu_s", "CPU s client", ".1f"), m("gateway_cpu_us_token", "gateway CPU per token us", ".0f"),
+                m("frontend_cpu_us_token", "vLLM API server's own CPU per token us", ".0f"),
                 m("cores_busy", "cores busy"), m("t_engine_ttft_s", "vLLM's own mean TTFT s"),
                 m("t_engine_queue_s", "of it in vLLM's queue s"), m("t_gateway_queue_s", "gateway's admission wait s"),
                 m("t_gateway_ttft_s", "gateway's request to vLLM to first event s"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import signal
 import time
@@ -15,7 +16,7 @@ from typing import Any
 
 from bench.harness import plots
 from bench.harness.context import Context
-from bench.harness.cpu import Meter, Spinner
+from bench.harness.cpu import Meter, Spinner, own_seconds
 from bench.harness.scrape import get_json, refusals, scrape
 from bench.harness.target import Target
 from bench.targets.engines import wait_idle
@@ -103,15 +104,19 @@ class Bench:
         pids = {"engine": engine.pid, "client": 0} | ({"gateway": gateway.pid} if gateway is not None else {})
         waits = Waits(self._labelled(engine, gateway)) if getattr(args, "schedstat", False) else None
         meter = Meter(pids).start()
+        frontend0 = own_seconds(engine.pid)
         spinner = Spinner(args.busy_cores) if target == "busy" else None
         with spinner if spinner is not None else contextlib.nullcontext():
             outcomes = self.send(base, plans, texts, load.read_timeout_s)
         wait_idle(engine)
         cpu = meter.stop()
+        frontend = own_seconds(engine.pid) - frontend0
         taken = spinner.cpu_s if spinner is not None else cpu.get("gateway", 0.0)
         fig = figures(outcomes, args.objective, scrape(engine.url, PREEMPTIONS) - preempted,
                       (cpu["engine"], taken, cpu["client"]))
-        extra: dict[str, float] = {}
+        # vLLM's API server alone (its process, not the engine core it started): the frontend the gateway adds to.
+        tokens = sum(o.tokens for o in outcomes)
+        extra: dict[str, float] = {"frontend_cpu_us_token": 1e6 * frontend / tokens if tokens else math.nan}
         for mark in marks:
             extra |= mark.means()
         if waits is not None:

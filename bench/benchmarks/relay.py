@@ -6,8 +6,9 @@ The fast fake engine streams one SSE event per token (``--load STREAMSxTOKENS@SE
 streams of 200 tokens at 20 ms a token, then 256 at 10 ms), usage on every chunk, as the gateway asks vLLM for it;
 the engine alone, the gateway and vllm-router relay them. The engine and the client (a raw asyncio client that
 counts bytes and event boundaries: ``bench.workloads.streams``) share core 0; each proxy runs alone on core 1
-(``--gateway-cpus`` gives it more). Each slot of the client keeps one stream open at a time, the first ones spread
-over one stream's length, for ``--seconds``.
+(``--gateway-cpus`` gives it more). Target ``workers`` is this tree's gateway with ``--workers N`` (2) on the
+same cores: what the split into processes costs per token. Each slot of the client keeps one stream open at a
+time, the first ones spread over one stream's length, for ``--seconds``.
 
 The client asks what ``--usage`` says of usage (``none``, ``final``: the usage chunk at the end, ``continuous``:
 on every chunk) when it talks to a gateway, which asks the engine for usage on every chunk and takes out what the
@@ -38,7 +39,7 @@ from bench.targets import engines, proxies
 from bench.workloads.streams import USAGE_OPTIONS
 
 SUMMARY = "CPU per relayed token, time to first byte and tokens/s of streams: engine alone, gateway, vllm-router"
-TARGETS = ["engine", "gateway", "router"]
+TARGETS = ["engine", "gateway", "router", "workers"]
 DEFAULT_TARGETS = ["engine", "gateway", "router"]
 GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
 
@@ -73,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(seconds=15.0)
     parser.add_argument("--load", action="append", type=load_spec, default=None,
                         help="STREAMSxTOKENS@SECONDS_A_TOKEN, repeatable (default 128x200@0.02 and 256x200@0.01)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="the 'workers' target: the gateway with --workers N on the proxies' cores (2)")
     parser.add_argument("--usage", choices=sorted(USAGE_OPTIONS), default="final",
                         help="what the client asks of usage from a gateway (default final)")
 
@@ -139,6 +142,9 @@ def run(ctx: Context) -> Result:
     if "baseline" in names:
         started.append(proxies.gateway(ctx, "baseline", [engine], flags=GATEWAY_FLAGS, tokenizer=tok,
                                        commit=ctx.args.baseline_commit))
+    if "workers" in names:
+        started.append(proxies.gateway(ctx, "workers", [engine], flags=(*GATEWAY_FLAGS, "--workers",
+                                                                        str(ctx.args.workers)), tokenizer=tok))
     if "router" in names:
         started.append(proxies.router(ctx, "router", [engine]))
     ctx.start(*started)
@@ -158,4 +164,4 @@ def run(ctx: Context) -> Result:
              "chunk (the engine's traffic the gateway asks for)",
              f"cores: proxies {ctx.cores.proxy or 'any'}, engine {ctx.cores.engine or 'any'}, client "
              f"{ctx.cores.client or 'any'}; streams started for {ctx.args.seconds:g} s a run"]
-    return ctx.result(measures(loads), runs, ["engine", "router", "baseline"], notes=notes)
+    return ctx.result(measures(loads), runs, ["engine", "router", "baseline", "gateway"], notes=notes)

@@ -63,6 +63,14 @@ def tree_seconds(root: int, table: Mapping[int, tuple[int, float, float]]) -> fl
     return total
 
 
+def own_seconds(pid: int) -> float:
+    """CPU seconds of the process ``pid`` alone (every thread; not the processes it started), so far."""
+    try:
+        return parse_stat((PROC / str(pid) / "stat").read_text())[1]
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def cpu_seconds(pid: int) -> float:
     """CPU seconds of a process and everything it started, so far (0 once it is gone)."""
     return tree_seconds(pid, process_table())

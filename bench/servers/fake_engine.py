@@ -14,6 +14,8 @@ little of the core it shares with the load generator (it answers some 30,000 sho
   ``stream_options.continuous_usage_stats`` every chunk carries the running usage; with ``include_usage`` a final
   usage-only chunk follows. An answer runs to ``max_tokens`` (16 when absent), or stops after ``min_tokens`` + 1
   when the request biases a token (``logit_bias``: the realistic benchmarks' way of ending an answer early);
+  the request's own ``fake_token_bytes`` makes each streamed token's text that many bytes (the slow-readers
+  benchmark fills held answers fast with it);
 - ``GET /v1/models`` (``--max-model-len``), ``/health``, ``/version`` and ``/metrics``: a minimal vLLM page whose
   ``vllm:cache_config_info`` says a million blocks, so that a gateway in front never waits for room.
 
@@ -99,7 +101,7 @@ class Engine:
 class Answer:
     """One generation request as read from its body."""
 
-    __slots__ = ("chat", "continuous", "delay", "final", "finish", "head", "n", "prompt", "stream")
+    __slots__ = ("chat", "continuous", "delay", "final", "finish", "head", "n", "pad", "prompt", "stream")
 
     def __init__(self, engine: Engine, chat: bool, body: bytes) -> None:
         req = orjson.loads(body) if body else {}
@@ -114,6 +116,8 @@ class Answer:
         self.stream = bool(req.get("stream"))
         delay = req.get("fake_token_delay")
         self.delay = float(delay) if isinstance(delay, (int, float)) and delay >= 0 else engine.token_delay
+        pad = req.get("fake_token_bytes")
+        self.pad = min(int(pad), 1 << 20) if isinstance(pad, int) and pad > 0 else 0
         options = req.get("stream_options") or {}
         self.final = bool(options.get("include_usage"))
         self.continuous = self.final and bool(options.get("continuous_usage_stats"))
@@ -165,6 +169,8 @@ class Answer:
         """The event of token ``i`` (0-based); the last one says why the answer ended."""
         last = i == self.n - 1
         text = WORDS[i % len(WORDS)]
+        if self.pad:
+            text = (text * (self.pad // len(text) + 1))[: self.pad]
         finish = self.finish if last else b"null"
         if self.chat:
             stop = b',"stop_reason":null' if last else b""

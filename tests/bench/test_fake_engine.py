@@ -125,6 +125,16 @@ async def test_a_request_may_set_its_own_pace(engine: tuple[Engine, int]) -> Non
     assert loop.time() - t0 >= 0.2  # four waits between five tokens
 
 
+@pytest.mark.parametrize("size", [1, 7, 16384])
+async def test_a_request_may_ask_for_tokens_of_its_own_size(engine: tuple[Engine, int], size: int) -> None:
+    _, port = engine
+    body = orjson.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3,
+                         "stream": True, "fake_token_bytes": size})
+    _, chunks = await exchange(port, "POST", "/v1/chat/completions", body)
+    texts = [orjson.loads(c.removeprefix(b"data: "))["choices"][0]["delta"].get("content") for c in chunks[1:-1]]
+    assert [len(t) for t in texts] == [size] * 3
+
+
 async def test_the_metrics_page_tells_of_a_cache_that_never_fills_and_counts_what_was_generated(
         engine: tuple[Engine, int]) -> None:
     eng, port = engine

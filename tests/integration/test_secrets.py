@@ -144,15 +144,16 @@ def test_log_redaction_covers_every_logger_until_undone(caplog: pytest.LogCaptur
 class _ServerThatLogs:
     started = True
 
-    def run(self) -> None:
+    def run(self, sockets: object = None) -> None:
         logging.getLogger("uvicorn.error").info("run %s", ADMIN_KEY)
 
 
 def test_serve_installs_the_log_redaction(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from gateway.cli import serve
-    from gateway.http import server
+    from gateway.http import serving
 
-    monkeypatch.setattr(server, "build_server", lambda app, settings: _ServerThatLogs())
+    monkeypatch.setattr(serving, "build_server", lambda app, settings: _ServerThatLogs())
+    monkeypatch.setattr(serving, "sockets_for", lambda settings, plan: [])  # no port bound
     previous = logging.getLogRecordFactory()
     caplog.set_level(logging.INFO)
     # An earlier uvicorn server in this process may have set its logger to WARNING.

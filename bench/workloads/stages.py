@@ -1,0 +1,101 @@
+"""Where a request's CPU goes: py-spy's samples of the gateway's stacks, each assigned to one stage of the path.
+
+A sample inside the pipeline (``gateway/guard/pipeline.py``'s ``handle``) belongs to the first pipeline stage
+found from the stack's root: parse, count and plan, tenant limits, the engine's body, admission, the exchange
+with the engine. A sample outside it belongs to the first of the HTTP layer's own markers found from the stack's
+leaf: the access log, metrics, reading the request, writing the answer, the HTTP server; what is left of the
+loop's thread is the event loop's own; other threads (the access log's writer) are counted apart.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+
+# (stage, function name, a piece of its file's path) from the root down, inside the pipeline.
+PIPELINE = "handle (gateway/guard/pipeline.py"
+EXCHANGE = "exchange_with_engine (gateway/guard/pipeline.py"
+PIPELINE_STAGES: tuple[tuple[str, str, str], ...] = (
+    ("parse and validate", "parse ", "gateway/guard/pipeline.py"),
+    ("parse and validate", "engine_limits ", "gateway/guard/pipeline.py"),
+    ("parse and validate", "refuse_while_", "gateway/guard/pipeline.py"),
+    ("count and plan", "plan_generation ", "gateway/guard/planning.py"),
+    ("count and plan", "plan_pooling ", "gateway/guard/planning.py"),
+    ("tenant limits", "check_tenant_limits ", "gateway/guard/pipeline.py"),
+    ("tenant limits", "Grant.settle ", "gateway/tenants/"),
+    ("the engine's body", "engine_body ", "gateway/guard/exchange.py"),
+    ("the engine's body", "dumps ", "gateway/guard/offload.py"),
+)
+# (stage, a piece of a frame) from the leaf up, outside the pipeline: tasks and callbacks of their own (the
+# counter's, the queue's pump, the upstream connection's reads) and the HTTP layer around the pipeline.
+OUTSIDE_STAGES: tuple[tuple[str, str], ...] = (
+    ("access log", "gateway/observe/access_log.py"),
+    ("access log", "gateway/http/access.py"),
+    ("metrics", "gateway/metrics.py"),
+    ("metrics", "prometheus_client/"),
+    ("count and plan", "gateway/guard/counting/"),
+    ("count and plan", "transformers/"),
+    ("count and plan", "jinja2/"),
+    ("admission: reserve and release", "gateway/admission/"),
+    ("exchange with the engine", "gateway/engine/"),
+    ("read the request", "read_context "),
+    ("write the answer", "gateway/http/relay.py"),
+    ("write the answer", "gateway/http/stream_out.py"),
+    ("write the answer", "starlette/responses.py"),
+    ("HTTP server", "uvicorn/"),
+    ("HTTP server", "httptools"),
+    ("HTTP server", "gateway/http/"),
+)
+# Tasks of the gateway's own that no request started: the engines' scrapes and probes, the live page's history.
+BACKGROUND_ROOTS = ("EngineView.", "gateway/observe/history.py", "gateway/engine/probe", "ProgressDetector.")
+LOOP = "event loop: sockets, timers"
+BACKGROUND = "background tasks (scrapes)"
+OTHER_THREADS = "other threads (off the loop)"
+ORDER = (
+    "HTTP server", "read the request", "parse and validate", "count and plan", "tenant limits", "the engine's body",
+    "admission: reserve and release", "exchange with the engine", "write the answer", "access log", "metrics",
+    LOOP, BACKGROUND, OTHER_THREADS,
+)  # fmt: skip
+
+
+def stage_of(frames: Sequence[str], loop_thread: bool) -> str:
+    """The stage of one sample: ``frames`` root first, as py-spy's raw format writes them."""
+    if not loop_thread:
+        return OTHER_THREADS
+    below = list(frames)
+    while below and "asyncio/runners.py" not in below[0]:
+        below.pop(0)
+    below = below[1:]  # what the loop runs: empty while it is in its own code (uvloop's sockets and timers)
+    if not below:
+        return LOOP
+    if any(marker in below[0] for marker in BACKGROUND_ROOTS):
+        return BACKGROUND
+    inside = next((i for i, f in enumerate(below) if f.startswith(PIPELINE)), None)
+    if inside is not None:
+        if any(f.startswith(EXCHANGE) for f in below[inside:]):
+            return "exchange with the engine"
+        for frame in below[inside + 1:]:
+            for stage, name, path in PIPELINE_STAGES:
+                if frame.startswith(name) and path in frame:
+                    return stage
+        return "admission: reserve and release"  # the pipeline's own lines hold the reservation's scope
+    for frame in reversed(below):
+        for stage, piece in OUTSIDE_STAGES:
+            if piece in frame:
+                return stage
+    return LOOP
+
+
+def shares(raw_lines: Iterable[str]) -> dict[str, float]:
+    """Each stage's share of the samples in py-spy's ``--format raw`` output (``--threads``: each stack starts
+    with its thread, the loop's thread being the one that runs ``asyncio``'s runner)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in raw_lines:
+        stack, _, count = line.strip().rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = stack.split(";")
+        loop_thread = any("asyncio/runners.py" in f for f in frames)
+        counts[stage_of(frames, loop_thread)] += int(count)
+    total = sum(counts.values())
+    return {s: counts[s] / total for s in ORDER} if total else {}

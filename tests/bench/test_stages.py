@@ -1,0 +1,54 @@
+"""The stages benchmark assigns each sampled stack of the gateway to one stage of a request's path."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.workloads.stages import BACKGROUND, LOOP, ORDER, OTHER_THREADS, shares, stage_of
+
+ROOT = ["thread (0x7f)", "<module> (gateway/cli.py:154)", "Server.run (uvicorn/server.py:86)",
+        "Runner.run (asyncio/runners.py:118)"]
+HTTP = [*ROOT, "RequestResponseCycle.run_asgi (uvicorn/protocols/http/httptools_impl.py:422)",
+        "GuardedFastPath._guarded (gateway/http/app.py:115)", "serve_guarded (gateway/http/relay.py:40)",
+        "_serve (gateway/http/relay.py:71)"]
+PIPELINE = [*HTTP, "handle (gateway/guard/pipeline.py:69)"]
+ADMIT = [*PIPELINE, "admit_and_exchange (gateway/guard/pipeline.py:150)"]
+
+
+@pytest.mark.parametrize(("frames", "stage"), [
+    (ROOT, LOOP),
+    ([*ROOT, "EngineView._run (gateway/engine/live.py:120)", "ModelList.max_model_len (gateway/engine/x.py:3)"],
+     BACKGROUND),
+    ([*PIPELINE, "parse (gateway/guard/pipeline.py:95)", "parse_chat (gateway/guard/protocol.py:10)"],
+     "parse and validate"),
+    ([*PIPELINE, "plan_generation (gateway/guard/planning.py:30)", "Booking.__init__ (<string>:2)"],
+     "count and plan"),
+    ([*ADMIT, "Grant._admit (gateway/tenants/grant.py:40)", "Admission.enter (gateway/admission/controller.py:9)"],
+     "admission: reserve and release"),
+    ([*ADMIT, "exchange_with_engine (gateway/guard/pipeline.py:190)", "Upstream.open (gateway/engine/client.py:5)"],
+     "exchange with the engine"),
+    ([*PIPELINE, "dumps (gateway/guard/offload.py:84)"], "the engine's body"),
+    ([*ROOT, "LocalCounter._run (gateway/guard/counting/local.py:90)", "render (jinja2/environment.py:1)"],
+     "count and plan"),
+    ([*ROOT, "Connection.data_received (gateway/engine/wire.py:192)"], "exchange with the engine"),
+    ([*ROOT, "Admission._pump (gateway/admission/controller.py:300)"], "admission: reserve and release"),
+    ([*HTTP, "AccessEntry.finish (gateway/http/access.py:50)"], "access log"),
+    ([*HTTP, "read_context (gateway/http/context.py:35)"], "read the request"),
+    ([*HTTP, "Response.__call__ (starlette/responses.py:160)"], "write the answer"),
+    ([*ROOT, "GuardProtocol.data_received (gateway/http/server_protocol.py:50)"], "HTTP server"),
+])  # fmt: skip
+def test_a_sample_on_the_loop_belongs_to_the_stage_its_frames_name(frames: list[str], stage: str) -> None:
+    assert stage_of(frames, loop_thread=True) == stage
+
+
+def test_a_sample_of_another_thread_is_counted_off_the_loop() -> None:
+    assert stage_of(["thread (0x1)", "_worker (concurrent/futures/thread.py:81)"], loop_thread=False) == OTHER_THREADS
+
+
+def test_the_shares_of_a_raw_profile_add_up_to_one_in_the_paths_order() -> None:
+    raw = [";".join(ROOT) + " 6", ";".join([*PIPELINE, "dumps (gateway/guard/offload.py:84)"]) + " 2",
+           "thread (0x2);_worker (concurrent/futures/thread.py:81) 2", "", "garbage"]
+    got = shares(raw)
+    assert list(got) == list(ORDER)
+    assert (got[LOOP], got["the engine's body"], got[OTHER_THREADS]) == (0.6, 0.2, 0.2)
+    assert shares([]) == {}
