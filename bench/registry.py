@@ -22,6 +22,7 @@ MODULES = {
     "soak": "bench.benchmarks.soak",
     "slow-readers": "bench.benchmarks.slow_readers",
     "counting": "bench.benchmarks.counting",
+    "access-log": "bench.benchmarks.access_log",
     "trace": "bench.benchmarks.trace",
     "http-clients": "bench.benchmarks.http_clients",
     "gpu-check": "bench.benchmarks.gpu_check",

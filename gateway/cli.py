@@ -21,7 +21,7 @@ from gateway import __version__
 from gateway.config import ENV_PREFIX, Settings
 from gateway.settings_sources import build_settings, load_config_file
 
-# Short flag names (as the README documents them) where the Settings field name differs.
+# Short flag names (as docs/reference/configuration.md shows them) where the Settings field name differs.
 FLAG_ALIASES = {"api_key": "--api-key", "admin_api_key": "--admin-api-key"}
 
 

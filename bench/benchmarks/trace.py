@@ -1,4 +1,4 @@
-"""One request's trace through the gateway into vLLM, drawn: the picture of docs/tracing.md and the README.
+"""One request's trace through the gateway into vLLM, drawn: the picture of docs/tracing.md.
 
     python -m bench run trace [--copy-to docs/img/trace.png]
 

@@ -16,14 +16,16 @@ that log shippers splitting on Unicode line breaks would cut a record at.
 
 Unless logging already routes that logger, ``install_default_handler`` writes it to standard output through a
 queue: the request path only puts the record on the queue, and a thread writes it, so a slow reader of the
-gateway's output (a full pipe to a log shipper) never holds the event loop. The line is formatted on the caller,
-bounded: moved to the writer thread it would still hold the same GIL (and the process-wide redaction formats
-every record as it is made). Measured with ``bench/access_log_cost.py`` on the shared 2-core test machine, 3 runs
-each, the caller's cost per record: before the bound (load 2-3), an ordinary record 80-147 us, an 8 MiB model
-name 1.3-1.6 s (text) and 0.32-0.37 s (json); with it (load 5-9), an ordinary record 95-200 us, a 1 MiB or 8 MiB
-model name 130-740 us in either format (formatting such a record alone: 40-50 us). With the pipe's reader
-stalled, 2,000 queued records took 86 ms on the caller, while the direct handler was still blocked in its write
-after 2 s.
+gateway's output (a full pipe to a log shipper) never holds the event loop. The writer thread formats and redacts
+the records too: the caller pays a put. Measured by ``python -m bench run access-log`` (each record's cost to the
+caller, until written, and in the process's CPU; the writer's work still holds the interpreter's lock the loop
+needs, so the bound matters as much as the thread). With the line formatted on the caller, 3 runs each on the
+shared 2-core test machine: before the bound (load 2-3), an ordinary record 80-147 us, an 8 MiB model name
+1.3-1.6 s (text) and 0.32-0.37 s (json); with it (load 5-9), an ordinary record 95-200 us, a 1 MiB or 8 MiB model
+name 130-740 us in either format. Formatted by the writer thread (2026-11-28, at 6cf7cd5, load 0.5): the caller
+0.3-0.5 us an ordinary record and 38-208 us a 1 MiB or 8 MiB one, 46-61 us of the process's CPU an ordinary record,
+125-249 us a huge one. With the pipe's reader stalled, 2,000 queued records took 86 ms on the caller, while the
+direct handler was still blocked in its write after 2 s.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ class DefaultHandler:
     """The access log's default writer: records go on a queue as they are (the loop pays a put, ~1 us), and a
     thread formats, redacts (``gateway/redact.py``: the process's secrets) and writes them, a batch per write.
     Through Python logging the loop paid ~100 us a record (the record, the caller's frame looked up, a copy for
-    the queue, the redaction's regexes), measured with ``bench/access_log_cost.py``. ``stop`` writes what is
+    the queue, the redaction's regexes), measured with ``python -m bench run access-log``. ``stop`` writes what is
     still queued."""
 
     def __init__(self, fmt: AccessLogFormat, stream: IO[str]) -> None:

@@ -1,6 +1,6 @@
 """The documentation site builds from docs/ with `mkdocs build --strict`: a broken link, a missing page, an unknown
-anchor or a page left out of the navigation fails the build; the pages it builds fetch nothing from elsewhere, and
-the generated reference pages list everything the code has."""
+anchor or a page left out of the navigation fails the build; the pages it builds fetch nothing from elsewhere, the
+generated reference pages list everything the code has, and the README's links land on files and anchors that exist."""
 
 from __future__ import annotations
 
@@ -124,6 +124,21 @@ def test_the_alerts_page_lists_every_rule(site: Path) -> None:
     rules = yaml.safe_load((ROOT / "deploy" / "alerts.yml").read_text(encoding="utf-8"))
     alerts = [r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r]
     assert alerts and [a for a in alerts if f"<strong>{a}</strong>" not in text] == []
+
+
+README_LINK = re.compile(r"\]\((?!https?:)([^)#\s]+)(?:#([^)\s]+))?\)")
+
+
+def test_the_readme_links_only_to_files_that_exist_and_to_anchors_the_site_has(site: Path) -> None:
+    links = README_LINK.findall((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert links, "the README links to nothing"
+    broken = [f"{path}: no such file" for path, _ in links if not (ROOT / path).exists()]
+    for path, anchor in links:
+        if anchor and path.startswith("docs/") and path.endswith(".md") and (ROOT / path).exists():
+            page = site / path.removeprefix("docs/").replace(".md", ".html")
+            if f'id="{anchor}"' not in page.read_text(encoding="utf-8"):
+                broken.append(f"{path}#{anchor}: no such anchor")
+    assert not broken, "\n".join(broken)
 
 
 class _IgnoreTags(yaml.SafeLoader):

@@ -45,7 +45,7 @@ Args = TypeVarTuple("Args")
 # about linearly from there (300 characters: ~94 / ~142 us). Around 100 characters the two are even on
 # latency alone, but the pool costs more than its hop: the template render is pure Python and holds the GIL,
 # so a busy worker thread stalls the event loop anyway, and under load the GIL hand-offs cost the gateway
-# a third of its throughput (bench/overhead.py: ~1,700 -> ~2,500 req/s at concurrency 64). So the pool is
+# a third of its throughput (the overhead benchmark: ~1,700 -> ~2,500 req/s at concurrency 64). So the pool is
 # for large inputs only, where a single count would hold the loop for more than ~0.3 ms.
 INLINE_CHARS = 2048
 

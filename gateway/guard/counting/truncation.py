@@ -1,6 +1,6 @@
 """Chat truncation: fit a conversation into a token budget without making it invalid.
 
-Policy (README, "What the gateway does to a request"):
+Policy (docs/concepts/counting.md, "A prompt over the limit"):
 keep the system messages and the newest turns; drop the oldest whole turns first
 (an assistant message with tool calls and the tool answers to it go together); when even the last turn
 is too long, cut text from the front of the oldest remaining text. The result always starts its
