@@ -62,10 +62,10 @@ def stage_of(frames: Sequence[str], loop_thread: bool) -> str:
     """The stage of one sample: ``frames`` root first, as py-spy's raw format writes them."""
     if not loop_thread:
         return OTHER_THREADS
-    below = list(frames)
-    while below and "asyncio/runners.py" not in below[0]:
-        below.pop(0)
-    below = below[1:]  # what the loop runs: empty while it is in its own code (uvloop's sockets and timers)
+    runner = next((i for i, f in enumerate(frames) if "asyncio/runners.py" in f), None)
+    # What the loop runs: empty while it is in its own code (uvloop's sockets and timers). A stack read while the
+    # process ran on (py-spy's --nonblocking) may come truncated at its root: then its frames as they came.
+    below = list(frames[runner + 1:]) if runner is not None else [f for f in frames if not f.startswith("thread")]
     if not below:
         return LOOP
     if any(marker in below[0] for marker in BACKGROUND_ROOTS):
@@ -88,14 +88,14 @@ def stage_of(frames: Sequence[str], loop_thread: bool) -> str:
 
 def shares(raw_lines: Iterable[str]) -> dict[str, float]:
     """Each stage's share of the samples in py-spy's ``--format raw`` output (``--threads``: each stack starts
-    with its thread, the loop's thread being the one that runs ``asyncio``'s runner)."""
+    with its thread, the loop's being the main thread, which runs ``asyncio``'s runner)."""
     counts: collections.Counter[str] = collections.Counter()
     for line in raw_lines:
         stack, _, count = line.strip().rpartition(" ")
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        loop_thread = any("asyncio/runners.py" in f for f in frames)
+        loop_thread = frames[0].endswith(": MainThread") or any("asyncio/runners.py" in f for f in frames)
         counts[stage_of(frames, loop_thread)] += int(count)
     total = sum(counts.values())
     return {s: counts[s] / total for s in ORDER} if total else {}

@@ -6,7 +6,7 @@ import pytest
 
 from bench.workloads.stages import BACKGROUND, LOOP, ORDER, OTHER_THREADS, shares, stage_of
 
-ROOT = ["thread (0x7f)", "<module> (gateway/cli.py:154)", "Server.run (uvicorn/server.py:86)",
+ROOT = ["thread (0x7f): MainThread", "<module> (gateway/cli.py:154)", "Server.run (uvicorn/server.py:86)",
         "Runner.run (asyncio/runners.py:118)"]
 HTTP = [*ROOT, "RequestResponseCycle.run_asgi (uvicorn/protocols/http/httptools_impl.py:422)",
         "GuardedFastPath._guarded (gateway/http/app.py:115)", "serve_guarded (gateway/http/relay.py:40)",
@@ -41,13 +41,23 @@ def test_a_sample_on_the_loop_belongs_to_the_stage_its_frames_name(frames: list[
     assert stage_of(frames, loop_thread=True) == stage
 
 
+@pytest.mark.parametrize(("frames", "stage"), [
+    (["thread (7): MainThread", "thread", "Upstream.open (gateway/engine/client.py:5)"], "exchange with the engine"),
+    (["thread (7): MainThread", "Response.__call__ (starlette/responses.py:160)"], "write the answer"),
+    (["thread (7): MainThread", "thread"], LOOP),
+])  # fmt: skip
+def test_a_stack_read_truncated_at_its_root_is_placed_by_the_frames_it_kept(frames: list[str], stage: str) -> None:
+    assert stage_of(frames, loop_thread=True) == stage
+    assert shares([";".join(frames) + " 1"])[stage] == 1.0
+
+
 def test_a_sample_of_another_thread_is_counted_off_the_loop() -> None:
     assert stage_of(["thread (0x1)", "_worker (concurrent/futures/thread.py:81)"], loop_thread=False) == OTHER_THREADS
 
 
 def test_the_shares_of_a_raw_profile_add_up_to_one_in_the_paths_order() -> None:
     raw = [";".join(ROOT) + " 6", ";".join([*PIPELINE, "dumps (gateway/guard/offload.py:84)"]) + " 2",
-           "thread (0x2);_worker (concurrent/futures/thread.py:81) 2", "", "garbage"]
+           "thread (0x2): access-log;_worker (concurrent/futures/thread.py:81) 2", "", "garbage"]
     got = shares(raw)
     assert list(got) == list(ORDER)
     assert (got[LOOP], got["the engine's body"], got[OTHER_THREADS]) == (0.6, 0.2, 0.2)
