@@ -9,9 +9,9 @@
     python -m bench run realistic --quick                                    # a short smoke run of every load
 
 Traffic: Poisson arrivals of streamed chat requests, prompts of 150-400 words, every request asking ``max_tokens``
-1024 and really stopping at L tokens (``min_tokens: L - 1`` and a +100 ``logit_bias`` on EOS, so the engine's
-own EOS check ends it: only the client knows L), L lognormal with mean 200 and sigma 0.8. The KV cache is
-64 MiB: 512 blocks of 128 tokens (a token of the tiny model costs 1 KiB), max_model_len 2,048.
+1024 and really stopping where the engine draws EOS: a ``logit_bias`` on EOS alone makes each token end it with
+the chance 1/L, L lognormal with mean 200 and sigma 0.8 (``length_body``; nobody, the gateway included, knows the
+length in advance: a ``min_tokens`` would declare it). The KV cache is 64 MiB: 512 blocks of 128 tokens (a token of the tiny model costs 1 KiB), max_model_len 2,048.
 
 Loads (``--workload``, repeatable): ``capacity`` (``--rate`` requests a second, the rate where vLLM alone's mean
 TTFT stays under 1 s on this machine: find it with ``--find-capacity``), ``double`` (twice that), ``overload``
