@@ -1,0 +1,80 @@
+"""The TTFT objective the gateway derives when the operator sets none (``--ttft-objective auto``, the default), and
+when it holds: only while an overload is *sustained*.
+
+A queue serves two purposes that pull apart. Under a finite burst (16 long requests at once on an engine that
+runs two of them at a time) it holds the burst while the engine works through it, and a client that said
+nothing of its patience gets its answer as it would from the engine alone, however long that takes. Under a
+sustained overload (requests keep arriving faster than the engine finishes them) a long queue adds nothing: the
+engine is full either way, each request waits the whole queue out, and what is served comes late (with 30-s
+clients and no objective, the first tokens came at 13-30 s). There the queue only needs to hold enough to keep
+the engine fed; the rest is refused at once, while a retry elsewhere can still help.
+
+The two look alike at first (a queue that builds); they part once requests have waited: the overload is
+**sustained** once a request leaves the queue (admitted, or timed out) having waited longer than the derived wait
+(below), and stays so until the queue has stayed empty for ``CALM_SECONDS`` (a queue that empties at each release
+and fills again at the next arrival is still the same overload). A burst that arrives at once is queued whole
+before that happens; so are the first requests of a sustained overload. From then on an arriving request may wait
+in the queue
+
+    the engine's *unhurried* time to a first token (at least ``MIN_WAIT_SECONDS``)
+
+where unhurried is the 0.9 quantile of the last requests admitted as they arrived, whose first tokens came from
+an engine that was not overloaded (``deadlines.FirstTokens.unqueued``). The engine's time *now* is held to the
+same bound the other way: while it is longer than the wait, the adaptive policy's reach past its preemption
+budget is taken away (``Deadlines.compute_room``), so the batch stops growing and its steps speed up. An admitted
+request so gets its first token within about twice the wait: the derived objective. The engine's time now is not
+the basis, though it is what a request admitted now will take: it grows as the batch fills and every step slows,
+the very thing the reach does under an overload, and a wait that grew with it would let the queue and the batch
+grow together (and make the bound on the engine's time always hold). The unhurried time is a property of the
+engine and the prompts, not of the load. On vLLM's CPU build it is 0.08-0.12 s, under the floor: the derived wait
+is then a second, and the engine's time under the sustained overload stayed under it (docs/realistic.md). The
+clients' own deadlines still apply, whichever comes first; they are no basis for the objective, since most
+clients say nothing (vLLM's benchmark client) or give minutes (the OpenAI SDKs: 600 s).
+
+The floor keeps the queue deep enough to feed an engine whose first tokens come fast (a GPU's take tens of
+milliseconds): a second of releases covers many admissions. The operator's ``--ttft-objective SECONDS`` holds
+for every request at all times; ``off`` leaves only ``--queue-timeout`` and the clients' deadlines.
+"""
+
+from __future__ import annotations
+
+MIN_WAIT_SECONDS = 1.0
+ENGINE_MULTIPLE = 1.0  # of the engine's unhurried time to a first token, that a request may wait
+CALM_SECONDS = 1.0  # of an empty queue, that end a sustained overload
+
+
+class SustainedOverload:
+    """Whether the overload is sustained, and the wait the derived objective allows an arriving request then."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.sustained = False
+        self._empty_since: float | None = None  # when the queue last became empty; None while requests wait
+
+    @staticmethod
+    def wait(unhurried: float) -> float:
+        """Seconds an arriving request may wait in the queue under a sustained overload, given the engine's
+        unhurried time to a first token."""
+        return max(MIN_WAIT_SECONDS, ENGINE_MULTIPLE * unhurried)
+
+    def objective(self, unhurried: float) -> float:
+        """The derived objective: the wait in the queue, and as long again at most in the engine."""
+        return 2 * self.wait(unhurried)
+
+    def applies(self, now: float) -> bool:
+        """Whether an arriving request is held to the derived objective now."""
+        if self.sustained and self._empty_since is not None and now - self._empty_since >= CALM_SECONDS:
+            self.sustained = False
+        return self.enabled and self.sustained
+
+    def left_queue(self, waited: float, unhurried: float) -> None:
+        """A request left the queue (admitted, or at its deadline) after waiting ``waited`` seconds."""
+        if self.enabled and waited > self.wait(unhurried):
+            self.sustained = True
+
+    def queue(self, waiting: bool, now: float) -> None:
+        """Whether requests wait in the queue, as of ``now`` (after every pass over it)."""
+        if waiting:
+            self._empty_since = None
+        elif self._empty_since is None:
+            self._empty_since = now
