@@ -125,9 +125,11 @@ def test_a_variant_names_a_commit_or_this_tree_its_flags_and_how_its_threads_run
 
 
 def test_the_gateway_targets_run_their_policy_at_their_commit() -> None:
-    args = argparse.Namespace(gateway_commit=None, baseline_commit="HEAD~3", variant=["b4=.::--preemption-budget=4"])
-    specs = gateway_specs(args, ["direct", "strict", "default", "baseline"])
+    args = argparse.Namespace(gateway_commit=None, baseline_commit="HEAD~3", variant=["b4=.::--preemption-budget=4"],
+                              objective=5.0)
+    specs = gateway_specs(args, ["direct", "strict", "default", "objective", "baseline"])
     assert specs == {"strict": GatewaySpec(None, ("--admission-policy", "strict")), "default": GatewaySpec(None, ()),
+                     "objective": GatewaySpec(None, ("--ttft-objective", "5")),
                      "baseline": GatewaySpec("HEAD~3", ()), "b4": GatewaySpec(None, ("--preemption-budget=4",))}
 
 
