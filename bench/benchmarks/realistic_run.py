@@ -65,6 +65,8 @@ class Bench:
     reasons: dict[str, Counter[str]] = field(default_factory=dict)
 
     def version(self) -> str:
+        """vLLM's version, asked of the first engine, resumed first: a run through the watermark's stops it."""
+        self.only(self.engines["direct"])
         return str(get_json(f"{self.engines['direct'].url}/version").get("version", "?"))
 
     def engine_of(self, target: str) -> Target:
