@@ -217,7 +217,7 @@ class Admission:
             r.reject()
             raise refusals.too_large(r, largest[0], self._settings.kv_target)
         now = self._clock()
-        limit = r.wait_limit = self._deadlines.limit(r, len(self._in_flight))
+        limit = r.wait_limit = self._deadlines.limit(r, len(self._in_flight), self._queue.oldest_wait(now))
         if limit.seconds <= 0:  # the engine alone takes longer than its deadline to a first token
             r.reject()
             raise refusals.deadline_now(limit, self._drain.retry_after(len(self._queue), now))
@@ -338,7 +338,7 @@ class Admission:
         self._metrics.record_admission("queued" if r.waited else "immediate", waited)
 
     def _dequeue(self, r: Reservation) -> None:
-        self._deadlines.left_queue(self._clock() - self._queue.enqueued_at(r))  # admitted, refused or withdrawn
+        self._deadlines.left_queue(self._clock() - self._queue.enqueued_at(r), r.wait_limit)  # admitted or not
         self._queue.remove(r)
         self._headroom.dequeued(r)
         self._timer.stop_if_empty()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from gateway.admission.sustained import SustainedOverload
@@ -57,6 +57,7 @@ class WaitLimit:
     own: bool
     engine_seconds: float  # the engine's time to a first token it allows for
     derived: bool = False  # the objective the gateway derives under a sustained overload sets it (``sustained``)
+    backlogged: bool = False  # it arrived while a request queued before it had waited past the derived wait
 
 
 class FirstTokens:
@@ -113,7 +114,12 @@ class Deadlines:
         """The engine's time to a first token to allow for now (0 while it runs nothing of ours)."""
         return (self.first_tokens.estimate() or 0.0) if in_flight else 0.0
 
-    def limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
+    def limit(self, r: Deadlined, in_flight: int, oldest_wait: float = 0.0) -> WaitLimit:
+        """How long ``r`` may wait; ``oldest_wait``: how long the first of those queued before it has waited."""
+        limit = self._limit(r, in_flight)
+        return replace(limit, backlogged=oldest_wait > self.sustained.wait(self.unhurried()))
+
+    def _limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
         own = [d for d in (r.deadline, self.objective) if d is not None]
         derived = self.sustained.applies(self._clock())
         if not own and not derived:
@@ -131,9 +137,10 @@ class Deadlines:
         """The engine's time to a first token when not overloaded (0 before any was seen)."""
         return self.first_tokens.unqueued() or 0.0
 
-    def left_queue(self, waited: float) -> None:
-        """A request left the queue, admitted or at its deadline, after ``waited`` seconds."""
-        self.sustained.left_queue(waited, self.unhurried())
+    def left_queue(self, waited: float, limit: WaitLimit | None) -> None:
+        """A request left the queue, admitted or at its deadline, after ``waited`` seconds (``limit``: the one
+        it was queued with)."""
+        self.sustained.left_queue(waited, self.unhurried(), backlogged=limit is not None and limit.backlogged)
 
     def compute_room(self, in_flight: int) -> bool:
         """Whether the engine's steps leave room for more work within the objective: its time to a first token

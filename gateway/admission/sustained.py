@@ -9,27 +9,33 @@ engine is full either way, each request waits the whole queue out, and what is s
 clients and no objective, the first tokens came at 13-30 s). There the queue only needs to hold enough to keep
 the engine fed; the rest is refused at once, while a retry elsewhere can still help.
 
-The two look alike at first (a queue that builds); they part once requests have waited: the overload is
-**sustained** once a request leaves the queue (admitted, or timed out) having waited longer than the derived wait
-(below), and stays so until the queue has stayed empty for ``CALM_SECONDS`` (a queue that empties at each release
-and fills again at the next arrival is still the same overload). A burst that arrives at once is queued whole
-before that happens; so are the first requests of a sustained overload. From then on an arriving request may wait
-in the queue
+The two look alike at first (a queue that builds); they part once requests keep arriving into a queue that has
+held requests a while: the overload is **sustained** once a request that *arrived into a backlog* (one queued
+before it had waited past the derived wait, below) leaves the queue (admitted, refused or withdrawn) having
+waited past that wait itself, and stays so until the queue has stayed empty for ``CALM_SECONDS`` (a queue that
+empties at each release and fills again at the next arrival is still the same overload). A burst that arrives at
+once is queued whole before that happens, and so are its stragglers: vLLM's benchmark client sent 2 of a burst of
+16 long requests 3.5 s after the others, just after the first were admitted having waited 3.5 s, and the rule
+that took any late departure for a sustained overload refused those two. The first requests of a sustained
+overload are queued too. From then on an arriving request may wait in the queue
 
     the engine's *unhurried* time to a first token (at least ``MIN_WAIT_SECONDS``)
 
-where unhurried is the 0.9 quantile of the last requests admitted as they arrived, whose first tokens came from
-an engine that was not overloaded (``deadlines.FirstTokens.unqueued``). The engine's time *now* is held to the
+where unhurried is the 0.9 quantile of the last requests admitted as they arrived, whose first tokens came while
+nothing waited in the queue (``deadlines.FirstTokens.unqueued``). The engine's time *now* is held to the
 same bound the other way: while it is longer than the wait, the adaptive policy's reach past its preemption
 budget is taken away (``Deadlines.compute_room``), so the batch stops growing and its steps speed up. An admitted
 request so gets its first token within about twice the wait: the derived objective. The engine's time now is not
 the basis, though it is what a request admitted now will take: it grows as the batch fills and every step slows,
 the very thing the reach does under an overload, and a wait that grew with it would let the queue and the batch
-grow together (and make the bound on the engine's time always hold). The unhurried time is a property of the
-engine and the prompts, not of the load. On vLLM's CPU build it is 0.08-0.12 s, under the floor: the derived wait
-is then a second, and the engine's time under the sustained overload stayed under it (docs/realistic.md). The
-clients' own deadlines still apply, whichever comes first; they are no basis for the objective, since most
-clients say nothing (vLLM's benchmark client) or give minutes (the OpenAI SDKs: 600 s).
+grow together (and make the bound on the engine's time always hold). The unhurried time is mostly a property of
+the engine and the prompts, not of the load, though requests admitted as they arrived into an engine already
+filling count too. Measured on vLLM's CPU build under the realistic benchmark's sustained overload (16 streams/s,
+docs/realistic.md): the unqueued time 0.09 s at the start, 0.6-1.06 s once the engine filled; the time now
+0.6-1.0 s while the overload was sustained. So there the wait was the floor (1.06 s at most) whichever it rested
+on, and the choice rests on the argument above, which those runs could not tell apart. The clients' own
+deadlines still apply, whichever comes first; they are no basis for the objective, since most clients say nothing
+(vLLM's benchmark client) or give minutes (the OpenAI SDKs: 600 s).
 
 The floor keeps the queue deep enough to feed an engine whose first tokens come fast (a GPU's take tens of
 milliseconds): a second of releases covers many admissions. The operator's ``--ttft-objective SECONDS`` holds
@@ -67,9 +73,10 @@ class SustainedOverload:
             self.sustained = False
         return self.enabled and self.sustained
 
-    def left_queue(self, waited: float, unhurried: float) -> None:
-        """A request left the queue (admitted, or at its deadline) after waiting ``waited`` seconds."""
-        if self.enabled and waited > self.wait(unhurried):
+    def left_queue(self, waited: float, unhurried: float, backlogged: bool) -> None:
+        """A request left the queue (admitted, refused or withdrawn) after waiting ``waited`` seconds;
+        ``backlogged``: it arrived while one queued before it had waited past the wait already."""
+        if self.enabled and backlogged and waited > self.wait(unhurried):
             self.sustained = True
 
     def queue(self, waiting: bool, now: float) -> None:

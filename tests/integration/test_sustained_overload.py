@@ -70,9 +70,10 @@ async def test_under_sustained_overload_the_admitted_wait_about_a_second_and_the
     counted = overload_rig.codes(answers)
     assert set(counted) <= {"ok", "deadline"} and counted["ok"] >= 12 and counted["deadline"] >= 10, counted
     waits = sorted(float(r.headers["x-guard-queue-ms"]) / 1000 for r, _ in answers if r.status_code == 200)
-    # The first requests of the overload are queued before it is seen to be sustained; the rest wait a second
-    # at most (the engine's own first tokens come in tens of milliseconds), with the deadline timer's slack.
-    assert statistics.median(waits) <= 1.25, waits
+    # The first requests of the overload are queued before it is seen to be sustained (until one that arrived into
+    # a backlog of a second has waited a second itself: about two seconds of arrivals); the rest wait a second at
+    # most (the engine's own first tokens come in tens of milliseconds), with the deadline timer's slack.
+    assert statistics.median(waits) <= 1.5, waits
     refused = [(r, seconds) for r, seconds in answers if r.status_code != 200]
     assert all(int(r.headers["retry-after"]) >= 1 for r, _ in refused)
     assert any("--ttft-objective auto" in r.json()["error"]["message"] for r, _ in refused)

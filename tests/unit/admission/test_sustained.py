@@ -34,19 +34,20 @@ def test_the_derived_wait_is_the_engines_unhurried_time_to_a_first_token_at_leas
 
 
 @pytest.mark.parametrize(("enabled", "waits", "empty_for", "sustained"), [
-    pytest.param(True, [0.5, 1.0], None, False, id="waits within the objective: a queue that drains"),
-    pytest.param(True, [0.5, 1.2], None, True, id="one wait past it: sustained"),
-    pytest.param(True, [1.2], 0.5, True, id="a queue empty for a moment between a release and an arrival"),
-    pytest.param(True, [1.2], CALM_SECONDS, False, id="until the queue stays empty for a second"),
-    pytest.param(False, [60.0], None, False, id="off or SECONDS: never derived"),
+    pytest.param(True, [(0.5, True), (1.0, True)], None, False, id="waits within the wait: a queue that drains"),
+    pytest.param(True, [(0.5, True), (1.2, True)], None, True, id="one arrived into a backlog and waited past it"),
+    pytest.param(True, [(30.0, False)] * 3, None, False, id="a burst's own long waits: it arrived at once"),
+    pytest.param(True, [(1.2, True)], 0.5, True, id="a queue empty for a moment between a release and an arrival"),
+    pytest.param(True, [(1.2, True)], CALM_SECONDS, False, id="until the queue stays empty for a second"),
+    pytest.param(False, [(60.0, True)], None, False, id="off or SECONDS: never derived"),
 ])
-def test_an_overload_is_sustained_once_a_request_left_the_queue_past_the_objective_until_it_stays_empty(
-    enabled: bool, waits: list[float], empty_for: float | None, sustained: bool
+def test_an_overload_is_sustained_once_a_request_that_arrived_into_a_backlog_waited_past_the_wait(
+    enabled: bool, waits: list[tuple[float, bool]], empty_for: float | None, sustained: bool
 ) -> None:
     overload = SustainedOverload(enabled)
     overload.queue(True, 0.0)
-    for waited in waits:
-        overload.left_queue(waited, unhurried=0.0)
+    for waited, backlogged in waits:
+        overload.left_queue(waited, unhurried=0.0, backlogged=backlogged)
     if empty_for is not None:
         overload.queue(False, 10.0)
     assert overload.applies(10.0 + (empty_for or 0.0)) is sustained
@@ -81,15 +82,19 @@ def test_the_wait_limit_under_each_objective(
 
 
 async def test_a_burst_that_arrives_at_once_is_served_whole_however_long_the_engine_takes() -> None:
-    # The defaults (queue timeout and objective): twelve requests of 5 blocks where two fit, one ending every 10 s.
+    # The defaults (queue timeout and objective): twelve requests of 5 blocks where two fit, one ending every 10 s;
+    # two stragglers of it arrive just after the first of the queued were admitted, having waited 10 s.
     rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict")
-    tasks = [enter(rig.req(5)) for _ in range(12)]
+    tasks = [enter(rig.req(5)) for _ in range(10)]
     await settle()
-    assert rig.adm.in_flight == 2 and rig.adm.queued == 10
+    assert rig.adm.in_flight == 2 and rig.adm.queued == 8
     served = 0
     while served < 12:
         rig.clock.now += 10.0
         rig.adm.tick()
+        if served == 1:
+            tasks += [enter(rig.req(5)) for _ in range(2)]
+            await settle()
         running = [t for t in tasks if t.done()]
         assert all(t.exception() is None for t in running), [t.exception() for t in running]  # none refused
         running[served].result().release()
@@ -101,13 +106,20 @@ async def test_a_burst_that_arrives_at_once_is_served_whole_however_long_the_eng
 
 
 async def sustained(rig: Rig, releases: int = 12) -> tuple[list[Reservation], asyncio.Task[Reservation]]:
-    """Two requests of 5 blocks in flight on 10 and one waiting: the first waits 2 s (past the 1-s objective of an
-    engine with no figure yet), the others 0.5 s each (10 blocks freed a second)."""
+    """Two requests of 5 blocks in flight on 10 and one waiting; 1.5 s later another arrives into that backlog
+    (past the 1-s wait of an engine with no figure yet) and is admitted 1.5 s later (sustained); from then on one
+    arrives and one is released every 0.5 s (10 blocks freed a second)."""
     running = [await rig.req(5).__aenter__(), await rig.req(5).__aenter__()]
+    first = enter(rig.req(5))
+    await settle()
+    rig.clock.now += 1.5
     task = enter(rig.req(5))
     await settle()
-    for i in range(releases):
-        rig.clock.now += 2.0 if i == 0 else 0.5
+    rig.clock.now += 1.0
+    running.pop(0).release()
+    running.append(await first)
+    for _ in range(releases):
+        rig.clock.now += 0.5
         running.pop(0).release()
         running.append(await task)
         task = enter(rig.req(5))
