@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field, PositiveFloat
 
 AdmissionPolicyName = Literal["strict", "adaptive"]
 PrefixSharing = Literal["auto", "on", "off"]
+
+
+def _objective(value: object) -> object:
+    """``auto``, ``off`` or seconds above 0, in one message when it is none of them (not one per form)."""
+    if value in ("auto", "off"):
+        return value
+    try:
+        seconds = float(str(value))
+    except ValueError:
+        seconds = math.nan
+    if 0 < seconds < math.inf:
+        return seconds
+    raise ValueError(f"auto, off or seconds above 0, got {value!r}")
+
+
+TtftObjective = Annotated[Literal["auto", "off"] | PositiveFloat, BeforeValidator(_objective)]
 
 
 class AdmissionFields(BaseModel):
@@ -39,7 +56,9 @@ class AdmissionFields(BaseModel):
         "with the most free blocks) or headroom (the most free blocks only).")
     max_queue: int = Field(1024, ge=0, description="Requests allowed to wait for capacity; more get 429.")
     queue_timeout: float = Field(
-        30.0, gt=0, description="Seconds a request may wait in the queue before a 503."
+        300.0, gt=0, description="Seconds a request may wait in the queue at most before a 503. Long, so that a "
+        "burst is served as the engine alone would serve it; under a sustained overload --ttft-objective auto "
+        "sheds instead."
     )
     shed_early: Literal["on", "off"] = Field(
         "on", description="on: a queued request forecast to wait past --queue-timeout (from the KV blocks waiting "
@@ -51,9 +70,13 @@ class AdmissionFields(BaseModel):
         "requests at a quantile of the answers' real lengths and backs off towards the worst case while the engine "
         "preempts past this (0: back off on any preemption)."
     )
-    ttft_objective: float | None = Field(
-        None, gt=0, description="Seconds: a request forecast to get no first token within this is refused at once "
-        "(503 deadline), so that admitted requests stay within it under sustained overload; unset: off."
+    ttft_objective: TtftObjective = Field(
+        "auto", description="auto: once an overload is sustained (requests keep arriving into a queue that has "
+        "held requests longer than the wait below), an arriving request may wait as long as the engine's first "
+        "token takes when it is not overloaded (at least 1 s), and one forecast to miss that is refused at once "
+        "(503 deadline); a burst that arrives at once is queued whole. SECONDS: every request forecast to get no "
+        "first token within this is refused at once, so that admitted requests stay within it. off: only "
+        "--queue-timeout and the clients' deadlines."
     )
     max_concurrency: int | None = Field(
         None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."

@@ -4,9 +4,11 @@ policy, runs in turns.
     python -m bench run engines                                  # direct / strict / adaptive, 3 turns
     python -m bench run engines --num-prompts 8 --output-len 400 --repeat 5
     python -m bench run engines --workload prefix-groups --target direct --target adaptive
+    python -m bench run engines --ranks 1 --target direct --target defaults    # one engine, the gateway's defaults
 
-vLLM serves the tiny model on two ranks, each with a 4 MiB KV cache (32 blocks of 128 tokens, one of them vLLM's
-null block) and max_model_len 2,048; the gateway books each rank on its own once a scrape shows them. Workloads:
+vLLM serves the tiny model on two ranks (``--ranks``), each with a 4 MiB KV cache (32 blocks of 128 tokens, one of
+them vLLM's null block) and max_model_len 2,048; the gateway books each rank on its own once a scrape shows them.
+Workloads:
 
 - ``flood`` (default): vLLM's own benchmark client, completions backend, random dataset, N x (prompt + output)
   tokens (default 16 x (1,000 + 900): a request needs 15 of a rank's 32 blocks at its longest, so two run on each
@@ -16,6 +18,9 @@ null block) and max_model_len 2,048; the gateway books each rank on its own once
   unique ``--suffix-len``-token suffix (32), ``--output-len`` output tokens (32), ``--max-concurrency`` requests
   at a time (8). vLLM alone places by load, so each rank computes each prefix; the gateway prefers the rank that
   holds or lately held the request's prefix.
+
+Targets: ``direct`` (vLLM), ``strict`` and ``adaptive`` (the gateway with that policy and ``--queue-timeout 600``:
+they queue rather than shed), ``defaults`` (the gateway without a flag: what a user gets), ``baseline``.
 
 Every run uses its own seed, so no run finds the previous run's prompts in the prefix cache. Per target: output
 tokens/s, mean and p99 TTFT, preemptions (per rank, from vLLM's ``engine``-labelled counters), the requests each
@@ -37,16 +42,22 @@ from bench.workloads.prefix_groups import GROUPS, prefix_groups_args
 from tests.e2e.servers import SERVED_MODEL_NAME
 
 SUMMARY = "a data-parallel vLLM (2 ranks) alone and through the gateway: a flood, or two prefix groups"
-TARGETS = ["direct", "strict", "adaptive"]
-DEFAULT_TARGETS = ["direct", "strict", "adaptive"]
+TARGETS = ["direct", "strict", "adaptive", "defaults"]
+DEFAULT_TARGETS = ["direct", "strict", "adaptive", "defaults"]
 RANKS = 2
 GATEWAY_ARGS = ("--queue-timeout", "600")
 MODES = {"strict": ("--admission-policy", "strict"), "adaptive": ("--admission-policy", "adaptive"), "baseline": ()}
 
 
+def gateway_flags(target: str) -> list[str]:
+    """A gateway target's flags: ``defaults`` none at all, the others a policy and a queue that holds the flood."""
+    return [] if target == "defaults" else [*GATEWAY_ARGS, *MODES[target]]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(pin=False)
     parser.add_argument("--workload", choices=("flood", "prefix-groups"), default="flood")
+    parser.add_argument("--ranks", type=int, default=RANKS, help=f"vLLM's data-parallel ranks ({RANKS})")
     parser.add_argument("--num-prompts", type=int, default=16, help="requests per run (16)")
     parser.add_argument("--input-len", type=int, default=1000, help="flood: prompt tokens per request (1000)")
     parser.add_argument("--output-len", type=int, default=None, help="output tokens (flood 900, prefix-groups 32)")
@@ -96,14 +107,14 @@ def run(ctx: Context) -> Result:
     if "direct" not in targets:
         targets.insert(0, "direct")
     model = engines.tiny_model()
-    vllm = engines.vllm(ctx, "direct", flags=("--data-parallel-size", str(RANKS)), model=model)
+    vllm = engines.vllm(ctx, "direct", flags=("--data-parallel-size", str(args.ranks)), model=model)
     ctx.start(vllm)
-    gateways = {t: proxies.gateway(ctx, t, [vllm], flags=[*GATEWAY_ARGS, *MODES[t]],
+    gateways = {t: proxies.gateway(ctx, t, [vllm], flags=gateway_flags(t),
                                    commit=args.baseline_commit if t == "baseline" else None)
                 for t in targets if t != "direct"}  # fmt: skip
     ctx.start(*gateways.values())
     for g in gateways.values():  # each rank booked on its own once a scrape shows them
-        proxies.wait_engines_ready(g, RANKS)
+        proxies.wait_engines_ready(g, args.ranks)
     seen: dict[str, list[EngineRun]] = {}
 
     def one(target: str, turn: int) -> dict[str, float]:
@@ -117,6 +128,7 @@ def run(ctx: Context) -> Result:
 
     runs = in_turns(targets, args.repeat, one, lambda t, n, f: ctx.say(f"turn {n + 1} {t}: {f}"))
     version = get_json(f"{vllm.url}/version").get("version", "?")
-    notes = [f"vLLM {version} (CPU build), --data-parallel-size {RANKS}, 32-block KV cache per rank; {describe(args)}"]
-    return ctx.result(engine_measures([str(r) for r in range(RANKS)], "rank"), runs, ["direct", "baseline"],
+    notes = [f"vLLM {version} (CPU build), --data-parallel-size {args.ranks}, 32-block KV cache per rank; "
+             f"{describe(args)}"]
+    return ctx.result(engine_measures([str(r) for r in range(args.ranks)], "rank"), runs, ["direct", "baseline"],
                       notes=notes, extra_markdown=failures(seen))

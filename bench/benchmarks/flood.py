@@ -8,10 +8,11 @@ caching off (every target then does the same prefill work for the same prompts).
 
 - ``full``: every request runs to max_tokens (``ignore_eos``): 12 x (1,000 + 900) tokens against a 4,096-token
   cache. vLLM admits more than fits and preempts; the gateway's ledger should not;
-- ``early``: the same requests, but each one really stops early, at an EOS that comes at a random "true length"
-  far below max_tokens, which the gateway cannot know: the request carries ``min_tokens`` = true length - 1 and
-  a +100 ``logit_bias`` on EOS, so vLLM's own EOS check ends it there (finish_reason "stop") and frees its blocks
-  in that step, while the gateway sees max_tokens 900. Where an adaptive policy (live KV usage) should beat a
+- ``early``: the same requests, but each one really stops early, at an EOS far below max_tokens that nobody can
+  know in advance: the request is sampled with a ``logit_bias`` on EOS alone that makes each token end it with the
+  chance 1 / its planned length, so vLLM's own EOS check ends it at a geometric length around the plan
+  (finish_reason "stop") and frees its blocks in that step, while the gateway sees max_tokens 900 (a
+  ``min_tokens`` would declare the length). Where an adaptive policy (live KV usage) should beat a
   strict one (worst case only).
 
 Targets: ``direct`` (vLLM), ``gateway`` (its default policy), ``strict``, ``adaptive``, ``baseline`` (the default
@@ -48,13 +49,14 @@ GATEWAY_ARGS = ("--queue-timeout", "600")
 POLICY = {"gateway": (), "baseline": (), "strict": ("--admission-policy", "strict"),
           "adaptive": ("--admission-policy", "adaptive")}  # fmt: skip
 EARLY_STOP = (
-    "How the `early` requests stop early for real: each carries `min_tokens` = its true length - 1 and a +100 "
-    "`logit_bias` on EOS. vLLM masks EOS until min_tokens and then EOS wins, so the request ends there with "
-    'finish_reason "stop" and its blocks are freed in that step, exactly as at a real EOS; the gateway only sees '
-    "max_tokens. True lengths come from a fixed seed, the same for every target. Rejected alternatives: random "
-    "weights emit EOS at no chosen place; a stop token calibrated from seeded sampling crashed the CPU engine "
-    "(`RuntimeError: CPU Generator does not use offset` once seeded requests are chunk-prefilled); disconnecting "
-    "the client at the true length measured how late a busy vLLM notices a disconnect rather than early stops."
+    "How the `early` requests stop early for real: each is sampled with a `logit_bias` on EOS alone that makes each "
+    "token end it with the chance 1 / its planned length, so vLLM's own EOS check ends it (finish_reason \"stop\", "
+    "its blocks freed in that step) at a geometric length around the plan that nobody knows in advance; the gateway "
+    "only sees max_tokens (a `min_tokens` would declare the length, and the gateway books what requests declare). "
+    "Planned lengths come from a fixed seed, the same for every target. Rejected alternatives: a stop token "
+    "calibrated from seeded sampling crashed the CPU engine (`RuntimeError: CPU Generator does not use offset` once "
+    "seeded requests are chunk-prefilled); disconnecting the client at the true length measured how late a busy "
+    "vLLM notices a disconnect rather than early stops."
 )
 
 

@@ -9,18 +9,20 @@
     python -m bench run realistic --quick                                    # a short smoke run of every load
 
 Traffic: Poisson arrivals of streamed chat requests, prompts of 150-400 words, every request asking ``max_tokens``
-1024 and really stopping at L tokens (``min_tokens: L - 1`` and a +100 ``logit_bias`` on EOS, so the engine's
-own EOS check ends it: only the client knows L), L lognormal with mean 200 and sigma 0.8. The KV cache is
-64 MiB: 512 blocks of 128 tokens (a token of the tiny model costs 1 KiB), max_model_len 2,048.
+1024 and really stopping where the engine draws EOS: a ``logit_bias`` on EOS alone makes each token end it with
+the chance 1/L, L lognormal with mean 200 and sigma 0.8 (``length_body``; nobody, the gateway included, knows the
+length in advance: a ``min_tokens`` would declare it). The KV cache is 64 MiB: 512 blocks of 128 tokens (a
+token of the tiny model costs 1 KiB), max_model_len 2,048.
 
 Loads (``--workload``, repeatable): ``capacity`` (``--rate`` requests a second, the rate where vLLM alone's mean
 TTFT stays under 1 s on this machine: find it with ``--find-capacity``), ``double`` (twice that), ``overload``
 (twice that for 60 s with the clients' read timeout at 30 s, sent as ``x-stainless-read-timeout`` as the OpenAI
-SDKs do; the gateways then run with ``--ttft-objective`` when they have that flag).
+SDKs do).
 
 Targets: ``direct`` (vLLM), ``watermark`` (a second vLLM with ``--watermark 0.05``, what a user would set instead
 of a gateway), ``strict`` (the gateway with ``--admission-policy strict``), ``default`` (the gateway as it starts
-without a policy flag; ``--gateway-commit`` runs a commit's instead of this tree's), ``baseline`` (the default
+without a flag; ``--gateway-commit`` runs a commit's instead of this tree's), ``objective`` (the default gateway
+with ``--ttft-objective`` at ``--objective``, the goodput's objective), ``baseline`` (the default
 policy at ``--baseline-commit``), ``busy`` (only when asked for: vLLM alone beside a process spinning
 ``--busy-cores`` of one core, what the gateway's CPU alone costs an engine it shares the cores with), and each
 ``--variant NAME=COMMIT[::FLAG,FLAG][@nice=N|@batch|@cpus=LIST]`` (a gateway at a commit, ``.`` for this tree,
@@ -58,8 +60,8 @@ from bench.workloads.realistic import Outcome, capacity
 from bench.workloads.realistic_clients import CLIENTS
 
 SUMMARY = "production-shaped chat streams on a real vLLM: alone, with --watermark, through the gateway's policies"
-TARGETS = ["direct", "watermark", "strict", "default", "busy"]
-DEFAULT_TARGETS = ["direct", "watermark", "strict", "default"]
+TARGETS = ["direct", "watermark", "strict", "default", "objective", "busy"]
+DEFAULT_TARGETS = ["direct", "watermark", "strict", "default", "objective"]
 KV_CACHE_MIB = 64
 WATERMARK = ("--watermark", "0.05")
 # The gateway's flags per gateway target (the variants bring their own).
@@ -115,6 +117,8 @@ def gateway_specs(args: argparse.Namespace, targets: list[str]) -> dict[str, Gat
     for t in targets:
         if t in ("strict", "default"):
             specs[t] = GatewaySpec(args.gateway_commit, GATEWAY_FLAGS[t])
+        elif t == "objective":
+            specs[t] = GatewaySpec(args.gateway_commit, ("--ttft-objective", f"{args.objective:g}"))
         elif t == "baseline":
             specs[t] = GatewaySpec(args.baseline_commit, ())
     specs.update(variant(v) for v in args.variant)
@@ -147,22 +151,14 @@ def start(ctx: Context, targets: list[str], loads: list[str]) -> Bench:
     for engine in started.values():
         if args.engine_core_nice is not None and not engines.renice_engine_core(engine, args.engine_core_nice):
             raise SystemExit(f"realistic: no engine core process found under {engine.name}'s pid")
-    wanted = {LOADS[n].objective_flag for n in loads}
     gateways: list[Target] = []
     modes: dict[str, str] = {}
     for name, spec in gateway_specs(args, targets).items():
-        commit, flags = spec.commit, list(spec.flags)
-        variants = wanted if proxies.has_flag(commit, "--ttft-objective") else {False}
-        for with_objective in sorted(variants):
-            extra = ["--ttft-objective", f"{args.objective:g}"] if with_objective else []
-            key = f"{name}-objective" if with_objective else name
-            gw = proxies.gateway(ctx, key, [started["direct"]], flags=[*flags, *extra], commit=commit)
-            bench.gateways[(name, with_objective)] = gw
-            gateways.append(gw)
-            if spec.mode:
-                modes[key] = spec.mode
-        for with_objective in wanted - variants:
-            bench.gateways[(name, with_objective)] = bench.gateways[(name, False)]
+        gw = proxies.gateway(ctx, name, [started["direct"]], flags=list(spec.flags), commit=spec.commit)
+        bench.gateways[name] = gw
+        gateways.append(gw)
+        if spec.mode:
+            modes[name] = spec.mode
     ctx.start(*gateways)
     for gw in gateways:
         if gw.name in modes:
@@ -228,8 +224,8 @@ def run(ctx: Context) -> Result:
     if args.quick:
         args.repeat, specs = 1, quick_loads()
     elif args.duration is not None:
-        specs = {n: Load(s.rate_factor, args.duration if n != "overload" else s.duration_s, s.read_timeout_s,
-                         s.objective_flag) for n, s in specs.items()}
+        specs = {n: Load(s.rate_factor, args.duration if n != "overload" else s.duration_s, s.read_timeout_s)
+                 for n, s in specs.items()}
     targets = list(args.targets) + [variant(v)[0] for v in args.variant if variant(v)[0] not in args.targets]
     if "direct" not in targets:
         targets.insert(0, "direct")

@@ -137,7 +137,7 @@ def table(data: Mapping[str, Any]) -> str:
     head = ["measure", *targets, *(f"{t} vs {r}" for t, r in pairs)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for m in measures:
-        if all(math.isnan(meds[t].get(m.key, math.nan)) for t in targets):
+        if all(_missing(meds[t].get(m.key)) for t in targets):
             continue  # not measured in this run (a phase or a load left out)
         cells = [m.label, *(fmt(meds[t].get(m.key, math.nan), m.fmt) for t in targets)]
         for t, r in pairs:
@@ -221,3 +221,8 @@ def latest(benchmark: str, out_dir: Path = RESULTS) -> Path | None:
 
 def all_benchmarks(out_dir: Path = RESULTS) -> Sequence[str]:
     return sorted(p.name for p in out_dir.iterdir() if p.is_dir()) if out_dir.is_dir() else []
+
+
+def _missing(value: float | None) -> bool:
+    """No figure: absent, or NaN (written to JSON as null, read back as None)."""
+    return value is None or math.isnan(value)

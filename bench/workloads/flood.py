@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from bench.harness.plots import Timeline
+from bench.workloads.realistic import length_body
 from tests.e2e.payloads import token_ids
 from tests.e2e.servers import SERVED_MODEL_NAME
 
@@ -23,7 +24,7 @@ from tests.e2e.servers import SERVED_MODEL_NAME
 class Planned:
     prompt: list[int]
     max_tokens: int
-    # Where EOS is forced (min_tokens plus a logit bias on EOS); None: run to max_tokens (ignore_eos).
+    # The mean length EOS is biased to end it at (a logit bias on EOS); None: run to max_tokens (ignore_eos).
     true_length: int | None = None
 
 
@@ -40,7 +41,7 @@ class Outcome:
     latency_s: float
     tokens: int
     error: str = ""
-    # Whether it generated exactly what was planned (max_tokens, or the forced early EOS).
+    # Whether it ended as planned: at max_tokens, or (early) by EOS before it.
     as_planned: bool = False
     ttft_s: float | None = None  # streamed requests only: until the first chunk with a choice
 
@@ -59,8 +60,8 @@ def build_workloads(names: Sequence[str], n: int, prompt_tokens: int, max_tokens
         "early": Workload(
             "early",
             f"{n} concurrent /v1/completions, {prompt_tokens} prompt tokens, max_tokens {max_tokens}; each "
-            f"really ends at EOS after {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / n:.0f}), "
-            "which the gateway cannot know",
+            f"really ends at EOS, drawn around {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / n:.0f}), "
+            "which nobody can know in advance",
             tuple(Planned(p, max_tokens, t) for p, t in zip(prompts, lengths, strict=True)),
         ),
     }
@@ -68,17 +69,15 @@ def build_workloads(names: Sequence[str], n: int, prompt_tokens: int, max_tokens
 
 
 async def _one(session: aiohttp.ClientSession, base: str, plan: Planned, eos_id: int, stream: bool) -> Outcome:
-    body: dict[str, object] = {
-        "model": SERVED_MODEL_NAME, "prompt": plan.prompt, "max_tokens": plan.max_tokens, "temperature": 0.0,
-    }  # fmt: skip
+    body: dict[str, object] = {"model": SERVED_MODEL_NAME, "prompt": plan.prompt, "max_tokens": plan.max_tokens}
     if stream:
         body.update({"stream": True, "stream_options": {"include_usage": True}})
     if plan.true_length is None:
-        body["ignore_eos"] = True
+        body.update({"ignore_eos": True, "temperature": 0.0})
     else:
-        # EOS is masked until min_tokens, then wins the next draw: EOS is token number true_length, as at a
-        # real EOS (vLLM counts it among the completion tokens).
-        body.update({"min_tokens": plan.true_length - 1, "logit_bias": {str(eos_id): 100}})
+        # Sampled, EOS biased so that each token ends it with the chance 1 / true_length (a geometric length
+        # around it that nobody can know in advance; bench/workloads/realistic.py's length_body).
+        body.update(length_body(plan.true_length, eos_id))
     started = time.monotonic()
     try:
         async with session.post(f"{base}/v1/completions", json=body) as resp:
@@ -86,8 +85,9 @@ async def _one(session: aiohttp.ClientSession, base: str, plan: Planned, eos_id:
                 return Outcome(False, time.monotonic() - started, 0, f"HTTP {resp.status}: {(await resp.text())[:200]}")
             ttft, usage = await _read_stream(resp, started) if stream else (None, (await resp.json())["usage"])
             tokens = int(usage["completion_tokens"])
-            planned = plan.true_length if plan.true_length is not None else plan.max_tokens
-            return Outcome(True, time.monotonic() - started, tokens, as_planned=tokens == planned, ttft_s=ttft)
+            # As planned: ran to max_tokens, or (early) ended by EOS before it.
+            planned = tokens == plan.max_tokens if plan.true_length is None else tokens < plan.max_tokens
+            return Outcome(True, time.monotonic() - started, tokens, as_planned=planned, ttft_s=ttft)
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
         return Outcome(False, time.monotonic() - started, 0, f"{type(exc).__name__}: {exc}"[:200])
 

@@ -13,6 +13,8 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from tests.support.vllm_sim_engine import TINY_EOS_P, TINY_OTHER_STOP_P
+
 MAX_TOKENS = 1024
 MEAN_LENGTH = 200.0
 SIGMA = 0.8
@@ -32,8 +34,9 @@ WORDS = (
 
 @dataclass(frozen=True)
 class Planned:
-    """One request of a run: when it arrives (s after the start), its prompt's words, and the answer's true
-    length (tokens, EOS the last of them) that only the client knows."""
+    """One request of a run: when it arrives (s after the start), its prompt's words, and the answer's mean
+    length (tokens): the engine draws the real one, geometric around it (``length_body``), which nobody knows
+    in advance."""
 
     at: float
     words: int
@@ -67,9 +70,22 @@ def prompt(planned: Planned, index: int, seed: int, target: int) -> str:
 
 
 def length_body(length: int, eos_id: int) -> dict[str, object]:
-    """What makes a random-weight model stop at ``length`` tokens: EOS masked until ``min_tokens``, then a +100
-    logit bias makes it the next draw (vLLM counts the EOS among the completion tokens)."""
-    return {"min_tokens": length - 1, "logit_bias": {str(eos_id): 100}}
+    """What makes the tiny random-weight model's answer run ``length`` tokens on average, in a way the gateway
+    cannot read: a logit bias on EOS alone, so that each token ends the answer with the chance ``1 / length``
+    (its lengths geometric around ``length``; the plan's lognormal lengths make them a mixture with a mean near
+    200). ``min_tokens`` would tell the gateway the length, and it books what requests declare. Past about 550
+    tokens the model's other stop token ends it first whatever the bias: those answers run ~480 on average."""
+    return {"logit_bias": {str(eos_id): eos_bias(length)}}
+
+
+def eos_bias(length: float) -> float:
+    """The logit bias on the tiny model's EOS that makes a token end the answer with the chance ``1 / length``
+    (``stop_chance`` inverted; -100 where its other stop token alone ends answers sooner on average)."""
+    chance = 1.0 / max(1.0, length)
+    if chance >= 1.0:
+        return 100.0
+    eos = (chance * (1.0 - TINY_EOS_P) - TINY_OTHER_STOP_P) / (1.0 - chance)
+    return -100.0 if eos <= 0 else round(max(-100.0, min(100.0, math.log(eos / TINY_EOS_P))), 3)
 
 
 @dataclass(frozen=True)

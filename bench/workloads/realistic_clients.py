@@ -134,7 +134,7 @@ def _vllm_outcome(planned: Planned, result: dict[str, Any], i: int, first_start:
 async def run_vllm_bench(base: str, plans: Sequence[Planned], texts: Sequence[str], eos_id: int,
                          read_timeout: float, tokenizer_dir: str) -> list[Outcome]:
     """vLLM's own benchmark client (``vllm bench serve``'s ``benchmark``, chat backend) replaying the plan's
-    arrival times (``self_timed``), each request with its own ``min_tokens`` and bias; it has no read timeout
+    arrival times (``self_timed``), each request with its own bias on EOS; it has no read timeout
     of its own (6 h). Its single-request check before the run sends the first request once more."""
     import contextlib
 

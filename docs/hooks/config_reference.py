@@ -17,7 +17,8 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 ROOT = Path(__file__).resolve().parents[2]
 # The site describes the tree it is built from, not whichever copy of the package is installed.
@@ -173,10 +174,26 @@ def _field_kind(info: FieldInfo) -> str:
         kind = "list, repeatable (comma-separated or a JSON list in the environment)"
     elif get_origin(base) is Literal:
         kind = "one of " + ", ".join(f"`{a}`" for a in get_args(base))
+    elif get_origin(base) in (Union, UnionType):
+        kind = _union_kind(get_args(base))
     else:
         kind = getattr(base, "__name__", str(base))
     bounds = [_bound(m) for m in info.metadata]
     return ", ".join([kind, *(b for b in bounds if b)])
+
+
+def _union_kind(forms: tuple[Any, ...]) -> str:
+    """``auto``, ``off`` or a number: the words of each form (``Literal`` values, a type with its bounds)."""
+    words: list[str] = []
+    for form in forms:
+        if get_origin(form) is Literal:
+            words += [f"`{a}`" for a in get_args(form)]
+        elif get_origin(form) is Annotated:
+            base, *meta = get_args(form)
+            words.append(" ".join([base.__name__, *(b for b in map(_bound, meta) if b)]))
+        else:
+            words.append(getattr(form, "__name__", str(form)))
+    return "one of " + ", ".join(words)
 
 
 def _bound(meta: Any) -> str:

@@ -28,8 +28,10 @@ to ``--preemption-budget`` preemptions per 100 completed requests, and holds adm
   engine's room was then the load's, not the model's), overshot to 1.26x the budget and brought a burst of
   preemptions. Preemptions past the budget take the reach away at once; later ones (at most once a second)
   halve the level as before. So the engine's own usage and preemptions set how far past the model admission
-  goes. Under ``--ttft-objective`` there is no reach: room in the cache is not time in a compute-bound
-  engine, and a fuller engine runs each step slower (``projection.Projector``).
+  goes. Under a TTFT objective (the operator's, or the one derived under a sustained overload) the reach also
+  needs time in the engine: room in the cache is not time in a compute-bound engine, whose fuller batch runs each
+  step slower. It grows only while the engine's own time to a first token leaves room within the objective
+  (``deadlines.Deadlines.compute_room``), and is taken away once it does not.
 
 ``--preemption-budget`` is 3 by default: on the realistic benchmark's chat workload at twice capacity
 (``bench/realistic.py``, 48 streams/s) the bare engine preempted 15-19 times per 100 requests, the target is a
@@ -90,12 +92,15 @@ class PreemptionBudget:
 
     def observe(
         self, preemptions_total: float | None, clean_seconds: float | None, *, at: float = 0.0,
-        blame: bool = True, engine_waiting: bool = False, engine_room: bool = False,
+        blame: bool = True, engine_waiting: bool = False, engine_room: bool = False, compute_room: bool = True,
     ) -> float:
         """Account one fresh snapshot taken ``at``; ``clean_seconds`` is the time since the previous good one
         (None if there was none); ``engine_room``: the engine has room the projection does not see (requests wait
-        in the gateway while the engine's own usage is under ``ROOM_BELOW`` of the budget: ``Projector.observe``).
-        Returns the preemptions new since the last snapshot."""
+        in the gateway while the engine's own usage is under ``ROOM_BELOW`` of the budget: ``Projector.observe``);
+        ``compute_room``: its steps leave time for more within the TTFT objective (``Deadlines.compute_room``):
+        without it the reach is taken away. Returns the preemptions new since the last snapshot."""
+        if not compute_room:
+            self.value = min(self.value, 1.0)
         increase = counter_increase(self._last_preemptions, preemptions_total)
         if preemptions_total is not None:
             self._last_preemptions = preemptions_total
@@ -113,7 +118,7 @@ class PreemptionBudget:
             step = min(MAX_RECOVERY_STEP_SECONDS, max(0.0, clean_seconds))
             if self.value < 1.0:
                 self.value = min(1.0, self.value + RECOVERY_PER_SECOND * step)
-            elif engine_room and self.rate(at) <= self.budget:
+            elif engine_room and compute_room and self.rate(at) <= self.budget:
                 self.value = min(1.0 + MAX_REACH, self.value + REACH_PER_SECOND * step)
         return increase
 

@@ -217,7 +217,7 @@ class Admission:
             r.reject()
             raise refusals.too_large(r, largest[0], self._settings.kv_target)
         now = self._clock()
-        limit = r.wait_limit = self._deadlines.limit(r, len(self._in_flight))
+        limit = r.wait_limit = self._deadlines.limit(r, len(self._in_flight), self._queue.oldest_wait(now))
         if limit.seconds <= 0:  # the engine alone takes longer than its deadline to a first token
             r.reject()
             raise refusals.deadline_now(limit, self._drain.retry_after(len(self._queue), now))
@@ -246,7 +246,7 @@ class Admission:
             raise
 
     def first_token(self, r: Reservation, seconds: float) -> None:
-        self._deadlines.first_tokens.add(seconds)
+        self._deadlines.first_tokens.add(seconds, queued=r.waited)
 
     def leave(self, r: Reservation) -> None:
         """Give back ``r``'s blocks, or withdraw it from the queue (``Reservation.release``; idempotent)."""
@@ -260,8 +260,7 @@ class Admission:
             site.recent.add(r.keys)
             self._forecast.released(held - site.books.committed)
             self._headroom.release(r)
-            now = self._clock()
-            self._drain.note(now)
+            self._drain.note(now := self._clock())
             site.projector.completed(r, r.completed_output, now)
             if not self._in_flight:
                 self._idle.set()
@@ -307,6 +306,7 @@ class Admission:
                 backlog, span = self._queue.backlog(), refusals.span_of(self._settings.queue_timeout)
                 for late in self._forecast.late(backlog, free, len(self._in_flight), span, arriving):
                     self._fail(late.item, refusals.expected_late(late, self._settings.queue_timeout))
+        self._deadlines.sustained.queue(bool(self._queue), self._clock())
         self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)
         self._gauges.publish_load(self._sites, self._queue.depth)
 
@@ -338,6 +338,7 @@ class Admission:
         self._metrics.record_admission("queued" if r.waited else "immediate", waited)
 
     def _dequeue(self, r: Reservation) -> None:
+        self._deadlines.left_queue(self._clock() - self._queue.enqueued_at(r), r.wait_limit)  # admitted or not
         self._queue.remove(r)
         self._headroom.dequeued(r)
         self._timer.stop_if_empty()
@@ -390,8 +391,8 @@ class Admission:
 
     def _on_snapshot(self, engine: int, old: EngineSnapshot, new: EngineSnapshot) -> None:
         self._sites.follow_ranks(engine, new)
-        held_back = bool(self._queue) and not self._paused
-        blamed = sum(site.learn(old, new, held_back) for site in self._sites.of_engine(engine))
+        held_back, room = bool(self._queue) and not self._paused, self._deadlines.compute_room(len(self._in_flight))
+        blamed = sum(site.learn(old, new, held_back, room) for site in self._sites.of_engine(engine))
         self._metrics.record_foreign(sum(s.foreign for s in self._sites), blamed)
         control = self._sites.primary.projector.optimism
         self._metrics.record_preemption_control(control.quantile, control.rate(new.taken_at), control.reach)

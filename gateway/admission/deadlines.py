@@ -2,7 +2,8 @@
 
 A request's own deadline is the earliest of what its client says (``x-guard-deadline-ms``, or the OpenAI SDKs'
 ``x-stainless-read-timeout``: a client that gives up at 30 s gains nothing from a first token at 31 s) and the
-operator's ``--ttft-objective``. Its first token comes after its wait in the queue *and* the engine's own time to
+operator's ``--ttft-objective SECONDS``, or, by default (``auto``), the objective the gateway derives while an
+overload is sustained (``sustained``). Its first token comes after its wait in the queue *and* the engine's own time to
 a first token once admitted (prefill queued ahead of it inside the engine, and the steps of the batch it joins),
 so the queue may hold it for its deadline less that engine time, and never past ``--queue-timeout``.
 
@@ -24,9 +25,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from typing import Protocol
+
+from gateway.admission.sustained import SustainedOverload
 
 WINDOW_SECONDS = 10.0
 MIN_SAMPLES = 4
@@ -37,6 +40,7 @@ QUANTILE = 0.9
 # millisecond: the round trip to it and one step of its model take longer, and vLLM's own API server adds
 # milliseconds before either. Deadlines above it that a busy engine misses stay 503 with Retry-After.
 MIN_DEADLINE_SECONDS = 0.001
+UNQUEUED_SAMPLES = 64  # requests admitted as they arrived, whose first tokens say what the engine takes unhurried
 
 
 class Deadlined(Protocol):
@@ -52,53 +56,110 @@ class WaitLimit:
     seconds: float
     own: bool
     engine_seconds: float  # the engine's time to a first token it allows for
+    derived: bool = False  # the objective the gateway derives under a sustained overload sets it (``sustained``)
+    backlogged: bool = False  # it arrived while a request queued before it had waited past the derived wait
 
 
 class FirstTokens:
-    """The engine's time from admission to a first token, over the requests admitted lately."""
+    """The engine's time from admission to a first token, over the requests admitted lately; and, apart, over the
+    last ``UNQUEUED_SAMPLES`` requests admitted as they arrived (nothing kept them waiting: the engine was not
+    overloaded), whenever that was."""
 
     def __init__(self, clock: Callable[[], float], window: float = WINDOW_SECONDS) -> None:
         self._clock = clock
         self._window = window
         self._samples: deque[tuple[float, float]] = deque()
+        self._unqueued: deque[float] = deque(maxlen=UNQUEUED_SAMPLES)
 
-    def add(self, seconds: float) -> None:
+    def add(self, seconds: float, queued: bool = False) -> None:
         now = self._clock()
         self._samples.append((now, max(0.0, seconds)))
         self._prune(now)
+        if not queued:
+            self._unqueued.append(max(0.0, seconds))
 
     def estimate(self) -> float | None:
         """The ``QUANTILE`` of the window's samples; None with fewer than ``MIN_SAMPLES``."""
         self._prune(self._clock())
-        if len(self._samples) < MIN_SAMPLES:
-            return None
-        ordered = sorted(s for _, s in self._samples)
-        return ordered[min(len(ordered) - 1, math.ceil(QUANTILE * len(ordered)) - 1)]
+        return _quantile(s for _, s in self._samples)
+
+    def unqueued(self) -> float | None:
+        """The ``QUANTILE`` of the engine's time when not overloaded; None with fewer than ``MIN_SAMPLES``."""
+        return _quantile(self._unqueued)
 
     def _prune(self, now: float) -> None:
         while self._samples and self._samples[0][0] < now - self._window:
             self._samples.popleft()
 
 
-class Deadlines:
-    def __init__(self, queue_timeout: float, objective: float | None, clock: Callable[[], float]) -> None:
-        self.queue_timeout = queue_timeout
-        self.objective = objective
-        self.first_tokens = FirstTokens(clock)
+def _quantile(samples: Iterable[float]) -> float | None:
+    ordered = sorted(samples)
+    if len(ordered) < MIN_SAMPLES:
+        return None
+    return ordered[min(len(ordered) - 1, math.ceil(QUANTILE * len(ordered)) - 1)]
 
-    def limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
+
+class Deadlines:
+    def __init__(
+        self, queue_timeout: float, objective: float | str | None, clock: Callable[[], float]
+    ) -> None:
+        """``objective``: the operator's seconds, ``"auto"`` (derived under a sustained overload) or ``"off"``."""
+        self.queue_timeout = queue_timeout
+        self.objective = objective if isinstance(objective, int | float) else None
+        self.sustained = SustainedOverload(enabled=objective == "auto")
+        self.first_tokens = FirstTokens(clock)
+        self._clock = clock
+
+    def engine_seconds(self, in_flight: int) -> float:
+        """The engine's time to a first token to allow for now (0 while it runs nothing of ours)."""
+        return (self.first_tokens.estimate() or 0.0) if in_flight else 0.0
+
+    def limit(self, r: Deadlined, in_flight: int, oldest_wait: float = 0.0) -> WaitLimit:
+        """How long ``r`` may wait; ``oldest_wait``: how long the first of those queued before it has waited."""
+        limit = self._limit(r, in_flight)
+        return replace(limit, backlogged=oldest_wait > self.sustained.wait(self.unhurried()))
+
+    def _limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
         own = [d for d in (r.deadline, self.objective) if d is not None]
-        if not own:
+        derived = self.sustained.applies(self._clock())
+        if not own and not derived:
             return WaitLimit(self.queue_timeout, False, 0.0)
-        engine = (self.first_tokens.estimate() or 0.0) if in_flight else 0.0
-        allowed = min(own) - engine
+        engine = self.engine_seconds(in_flight)
+        allowed = min(own) - engine if own else math.inf
+        # The derived wait is not cut by the engine's time now: that time is held within it (``compute_room``).
+        if derived and (wait := self.sustained.wait(self.unhurried())) < allowed:
+            return WaitLimit(min(wait, self.queue_timeout), True, engine, derived=True)
         if allowed < self.queue_timeout:
             return WaitLimit(allowed, True, engine)
         return WaitLimit(self.queue_timeout, False, engine)
 
-    def status(self) -> dict[str, float | None]:
-        estimate = self.first_tokens.estimate()
+    def unhurried(self) -> float:
+        """The engine's time to a first token when not overloaded (0 before any was seen)."""
+        return self.first_tokens.unqueued() or 0.0
+
+    def left_queue(self, waited: float, limit: WaitLimit | None) -> None:
+        """A request left the queue, admitted or at its deadline, after ``waited`` seconds (``limit``: the one
+        it was queued with)."""
+        self.sustained.left_queue(waited, self.unhurried(), backlogged=limit is not None and limit.backlogged)
+
+    def compute_room(self, in_flight: int) -> bool:
+        """Whether the engine's steps leave room for more work within the objective: its time to a first token
+        now is within half the operator's objective, or, once an overload is sustained under ``auto``, within the
+        wait it allows (a fuller batch runs each step slower; room in the cache is not time in the engine)."""
+        engine = self.engine_seconds(in_flight)
+        if self.objective is not None:
+            return engine <= self.objective / 2
+        if self.sustained.applies(self._clock()):
+            return engine <= self.sustained.wait(self.unhurried())
+        return True
+
+    def status(self) -> dict[str, float | bool | str | None]:
+        estimate, unhurried = self.first_tokens.estimate(), self.first_tokens.unqueued()
+        derived = self.sustained.objective(self.unhurried()) if self.sustained.enabled else None
         return {
-            "ttft_objective_s": self.objective,
+            "ttft_objective": "auto" if self.sustained.enabled else "off" if self.objective is None else "seconds",
+            "ttft_objective_s": self.objective if derived is None else round(derived, 3),
+            "sustained_overload": self.sustained.applies(self._clock()),
             "engine_first_token_s": None if estimate is None else round(estimate, 3),
+            "engine_first_token_unqueued_s": None if unhurried is None else round(unhurried, 3),
         }

@@ -87,11 +87,8 @@ class Outlook:
 class Projector:
     """What the adaptive policy learns from the engine and from completed requests, and projects with."""
 
-    def __init__(
-        self, credit_window: float, budget: float = 1.0, kv_target: float = 1.0, *, reach: bool = True
-    ) -> None:
+    def __init__(self, credit_window: float, budget: float = 1.0, kv_target: float = 1.0) -> None:
         self.optimism = PreemptionBudget(budget)
-        self._reach = reach  # off under a TTFT objective: room in the cache is not time in the engine
         self.outputs = OutputLengths()
         self._credit_window = credit_window
         self._room_below = ROOM_BELOW * kv_target  # of the engine's cache
@@ -109,11 +106,12 @@ class Projector:
 
     def observe(
         self, old: EngineSnapshot, new: EngineSnapshot, in_flight: Iterable[Creditable], *, foreign: bool = False,
-        held_back: bool = False,
+        held_back: bool = False, compute_room: bool = True,
     ) -> float:
         """Learn from a new engine snapshot: preemptions move the optimism, progress earns credit. ``foreign``:
         the engine runs traffic that bypasses the gateway; ``held_back``: requests wait in the gateway's queue
-        (room in the engine is then room the projection did not see, not a load still ramping up); returns the
+        (room in the engine is then room the projection did not see, not a load still ramping up);
+        ``compute_room``: the engine's steps leave time for more within the TTFT objective; returns the
         preemptions not held against admission."""
         if not (new.ok and new.has_metrics):
             for r in in_flight:
@@ -121,10 +119,10 @@ class Projector:
             return 0.0
         clean = new.taken_at - old.taken_at if old.ok else None
         waiting = (new.waiting or 0) > 0
-        room = self._reach and held_back and new.kv_usage is not None and new.kv_usage < self._room_below
+        room = held_back and new.kv_usage is not None and new.kv_usage < self._room_below
         increase = self.optimism.observe(
             new.preemptions_total, clean, at=new.taken_at, blame=not foreign, engine_waiting=waiting,
-            engine_room=room,
+            engine_room=room, compute_room=compute_room,
         )
         if increase > 0 and foreign:
             log.warning("engine reported %g new preemptions while traffic that bypasses the gateway ran; "

@@ -198,6 +198,11 @@ class WaitQueue(Generic[W]):
     def enqueued_at(self, item: W) -> float:
         return self._by_item[item].enqueued_at
 
+    def oldest_wait(self, now: float) -> float:
+        """How long the request queued first of those still waiting has waited (0 with none)."""
+        first = next(iter(self._by_item.values()), None)  # insertion order: the first queued first
+        return 0.0 if first is None else now - first.enqueued_at
+
     def expired(self, now: float) -> list[W]:
         """The requests whose deadline has passed, in queue order."""
         return [e.item for lane in self._order() for e in lane.entries if e.deadline <= now]

@@ -11,6 +11,9 @@ from gateway.admission.forecast import ARRIVAL_SHARE, Late
 from gateway.admission.ledger import Capacity, too_large_message
 from gateway.admission.queue import RETRY_AFTER_MAX, RETRY_AFTER_MIN
 
+# Under --ttft-objective auto, what sets the wait of a request that arrived while the overload was sustained.
+SUSTAINED = "while the overload is sustained (--ttft-objective auto)"
+
 
 def queue_full(max_queue: int, in_flight: int, retry_after: float) -> errors.QueueFull:
     """The queue had no room for one more request (429)."""
@@ -65,8 +68,12 @@ def expected_late(late: Late[Any], timeout: float) -> errors.QueueTimeoutExpecte
     limit: WaitLimit | None = late.item.wait_limit
     if limit is None or not limit.own:
         return queue_timeout_expected(late, timeout)
-    reach = (f"exceeds {ARRIVAL_SHARE:.0%} of the {late.time_left:.1f} s to the request's deadline" if late.arriving
-             else f"misses the request's deadline, {late.time_left:.1f} s away")
+    if limit.derived:
+        reach = (f"exceeds {ARRIVAL_SHARE:.0%} of the {late.time_left:.1f} s a request may wait {SUSTAINED}"
+                 if late.arriving else f"misses the end of the wait allowed {SUSTAINED}, {late.time_left:.1f} s away")
+    else:
+        reach = (f"exceeds {ARRIVAL_SHARE:.0%} of the {late.time_left:.1f} s to the request's deadline"
+                 if late.arriving else f"misses the request's deadline, {late.time_left:.1f} s away")
     return errors.DeadlineUnreachable(
         f"Expected wait {late.expected_wait:.1f} s for KV capacity{_engine(limit)} {reach} (ahead of it: "
         f"{_count(late.position, 'request')} needing {_count(late.blocks_ahead, 'KV block')}; "
@@ -82,8 +89,9 @@ def timed_out(
     limit = r.wait_limit
     if limit is None or not limit.own:
         return queue_timeout(waited, timeout, in_flight, queued, retry_after)
+    whose = f"the wait allowed {SUSTAINED} is over" if limit.derived else "the request's deadline leaves no more"
     return errors.DeadlineUnreachable(
-        f"Waited {waited:.1f} s for KV capacity: the request's deadline leaves no more{_engine(limit)} "
+        f"Waited {waited:.1f} s for KV capacity: {whose}{_engine(limit)} "
         f"({in_flight} requests in flight, {queued} queued); retry later.",
         retry_after=retry_after,
     )

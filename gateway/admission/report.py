@@ -28,7 +28,7 @@ class Parts:
     in_flight: int
     drain_rate: float | None
     now: float
-    deadlines: dict[str, float | None]
+    deadlines: dict[str, float | bool | str | None]
 
 
 def status_document(p: Parts) -> dict[str, Any]:

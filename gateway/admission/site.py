@@ -118,7 +118,6 @@ class Site:
         self.books = Books()
         self.projector = Projector(
             credit_window=2 * settings.scrape_interval, budget=settings.preemption_budget, kv_target=settings.kv_target,
-            reach=settings.ttft_objective is None,
         )
         self.policy = Policy(settings, self.kv, self.books, self.projector, headroom)
         self.in_flight: set[Reservation] = set()
@@ -158,12 +157,17 @@ class Site:
         """The site's view of an engine-wide snapshot (its rank's, on a data-parallel engine)."""
         return rank_snapshot(snap, str(self.target.rank)) if self.target.rank is not None else snap
 
-    def learn(self, old: EngineSnapshot, new: EngineSnapshot, held_back: bool = False) -> float:
+    def learn(
+        self, old: EngineSnapshot, new: EngineSnapshot, held_back: bool = False, compute_room: bool = True
+    ) -> float:
         """A new snapshot of the engine: foreign traffic, and preemptions; returns those not blamed on us.
-        ``held_back``: requests wait in the gateway's queue."""
+        ``held_back``: requests wait in the gateway's queue; ``compute_room``: the engine's steps leave time for
+        more within the TTFT objective."""
         old, new = self.observe(old), self.observe(new)
         self.foreign = foreign_sequences(new, self.in_flight)
-        return self.projector.observe(old, new, self.in_flight, foreign=self.foreign > 0, held_back=held_back)
+        return self.projector.observe(
+            old, new, self.in_flight, foreign=self.foreign > 0, held_back=held_back, compute_room=compute_room
+        )
 
     def status(self, mode: str, sharing: bool) -> dict[str, Any]:
         cap = self.capacity()

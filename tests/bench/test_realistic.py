@@ -30,6 +30,7 @@ from bench.workloads.realistic import (
 from bench.workloads.realistic_clients import run_aiohttp
 from gateway.tools.tinymodel import build_tokenizer
 from tests.support.vllm_sim import SimConfig, run_sim_server
+from tests.support.vllm_sim_engine import stop_chance
 
 
 def test_arrivals_are_poisson_at_the_rate_and_repeat_per_seed() -> None:
@@ -68,8 +69,14 @@ def test_the_words_leave_room_for_the_answer_in_the_tiny_models_context(tmp_path
     assert len(tok.encode(longest, add_special_tokens=False)) + MAX_TOKENS + 32 <= 2048
 
 
-def test_the_length_body_makes_eos_the_lth_token() -> None:
-    assert length_body(200, 2) == {"min_tokens": 199, "logit_bias": {"2": 100}}
+@pytest.mark.parametrize(("length", "bias"), [(1, 100.0), (30, 2.694), (200, 0.376), (400, -1.151), (600, -100.0)])
+def test_the_length_body_biases_eos_alone_so_that_a_token_ends_the_answer_with_the_chance_one_in_l(
+    length: int, bias: float
+) -> None:
+    body = length_body(length, 2)
+    assert body == {"logit_bias": {"2": bias}}  # no min_tokens: nothing the gateway reads
+    if length <= 400:  # the tiny model's chance per token, as measured on vLLM's CPU build
+        assert 1 / stop_chance(bias) == pytest.approx(length, rel=0.01)
 
 
 def outcome(at: float, ttft: float | None, tokens: int = 100, status: int | None = 200, end: float = 10.0,
@@ -118,9 +125,11 @@ def test_a_variant_names_a_commit_or_this_tree_its_flags_and_how_its_threads_run
 
 
 def test_the_gateway_targets_run_their_policy_at_their_commit() -> None:
-    args = argparse.Namespace(gateway_commit=None, baseline_commit="HEAD~3", variant=["b4=.::--preemption-budget=4"])
-    specs = gateway_specs(args, ["direct", "strict", "default", "baseline"])
+    args = argparse.Namespace(gateway_commit=None, baseline_commit="HEAD~3", variant=["b4=.::--preemption-budget=4"],
+                              objective=5.0)
+    specs = gateway_specs(args, ["direct", "strict", "default", "objective", "baseline"])
     assert specs == {"strict": GatewaySpec(None, ("--admission-policy", "strict")), "default": GatewaySpec(None, ()),
+                     "objective": GatewaySpec(None, ("--ttft-objective", "5")),
                      "baseline": GatewaySpec("HEAD~3", ()), "b4": GatewaySpec(None, ("--preemption-budget=4",))}
 
 
@@ -130,15 +139,17 @@ def test_capacity_is_the_highest_rate_under_the_bound_below_which_all_were() -> 
 
 
 async def test_the_client_sends_the_plan_and_reads_what_came_back() -> None:
-    # The simulator honours min_tokens and the bias on its stand-in EOS (id 2) as vLLM does.
+    # The simulator draws each answer's length from the bias on its stand-in EOS (id 2) as the tiny model would.
     async with run_sim_server(SimConfig(max_model_len=4096, num_blocks=512, block_size=16)) as server:
         planned = [Planned(0.0, 20, 7), Planned(0.01, 30, 1), Planned(0.02, 10, 40)]
         texts = [prompt(p, i, 0, 0) for i, p in enumerate(planned)]
         outcomes = await run_aiohttp(server.url, planned, texts, eos_id=2, read_timeout=30.0)
-    assert [o.tokens for o in outcomes] == [7, 1, 40]
+        seen = list(server.sim.requests_seen)
+        drawn = [server.sim.output_length(i, MAX_TOKENS, False, 0, length_body(p.length, 2)["logit_bias"]["2"])
+                 for i, p in enumerate(planned)]
+    assert sorted(o.tokens for o in outcomes) == sorted(drawn) and drawn[1] == 1
     assert all(o.completed and o.ttft is not None and o.end >= o.at for o in outcomes)
-    seen = list(server.sim.requests_seen)
-    assert all(body["max_tokens"] == MAX_TOKENS for body in seen)
+    assert all(body["max_tokens"] == MAX_TOKENS and "min_tokens" not in body for body in seen)
 
 
 def test_the_ttft_picture_is_a_png(tmp_path: Path) -> None:

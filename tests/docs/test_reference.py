@@ -73,6 +73,7 @@ def test_settings_are_grouped_as_their_classes_group_them(field: str, group: str
         ("fragmentation_growth_mib", "int, ≥ 0", "`2048`"),
         ("hang_timeout", "float, > 0", "`15.0`; `60.0` with `--managed`"),
         ("vllm_args", "arguments after `--`", "unset"),
+        ("ttft_objective", "one of `auto`, `off`, float > 0", "`auto`"),
     ],
 )
 def test_a_row_gives_the_type_with_its_bounds_and_the_default(field: str, kind: str, default: str) -> None:

@@ -94,6 +94,23 @@ async def test_min_tokens_is_checked_as_vllm_checks_it(body: dict[str, Any], mes
     assert r.json()["error"]["message"] == message
 
 
+@pytest.mark.parametrize(("bias", "mean"), [
+    pytest.param(0.376, 200, id="+0.376 on EOS: a token's chance 1/200"),
+    pytest.param(2.694, 30, id="+2.694: 1/30"),
+    pytest.param(-100.0, 40, id="-100: never EOS, the max_tokens of 40"),
+])
+def test_a_moderate_bias_on_eos_ends_answers_geometrically_as_the_tiny_model_does(bias: float, mean: float) -> None:
+    sim = Simulator(SimConfig(max_model_len=2048, num_blocks=64, stop_early=natural))
+    max_tokens = 40 if bias < 0 else 1024
+    lengths = [sim.output_length(i, max_tokens, False, 0, bias) for i in range(4000)]
+    assert statistics.fmean(lengths) == pytest.approx(mean, rel=0.06)
+    assert lengths[:50] == [sim.output_length(i, max_tokens, False, 0, bias) for i in range(50)]  # a run repeats
+    if bias > 0:  # geometric: the median at ln 2 of the mean, whatever the model's own stop_early said
+        assert statistics.median(lengths) == pytest.approx(mean * 0.693, rel=0.1)
+        assert [sim.output_length(i, 1024, False, 50, bias) for i in range(200)] == [min(1024, 50 + n) for n in
+                                                                                    lengths[:200]]  # past min_tokens
+
+
 def test_lognormal_lengths_repeat_per_seed_and_have_their_mean() -> None:
     draw, again, other = lognormal_lengths(200, 0.8, seed=1), lognormal_lengths(200, 0.8, seed=1), \
         lognormal_lengths(200, 0.8, seed=2)

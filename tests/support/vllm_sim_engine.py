@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -45,6 +47,18 @@ VLLM_VERSION = "0.32.0"
 REQUESTS_SEEN_LIMIT = 1000
 # A logit bias on EOS at least this large (vLLM clamps biases to +-100) decides every draw of the tiny models.
 EOS_WINS = 10.0
+# What the tiny random-weight model (gateway/tools/tinymodel.py) draws at each token, sampled at temperature 1 on
+# vLLM's CPU build, as fitted to the lengths of 100-400 chat answers at EOS biases of -100, -1, 0, 1, 2 and 4
+# (0: a geometric mean of 257 tokens): its EOS, and its other stop token (<|im_end|>), each a token's chance.
+# A bias b on EOS makes EOS ``TINY_EOS_P x e^b`` of the draw's softmax before the renormalisation.
+TINY_EOS_P = 0.0022
+TINY_OTHER_STOP_P = 0.0018
+
+
+def stop_chance(eos_bias: float) -> float:
+    """The chance that one draw of the tiny model at temperature 1 ends the answer, EOS biased by ``eos_bias``."""
+    eos = TINY_EOS_P * math.exp(min(100.0, max(-100.0, eos_bias)))
+    return min(1.0, (eos + TINY_OTHER_STOP_P) / (1.0 - TINY_EOS_P + eos))
 
 
 class RequestLog:
@@ -74,13 +88,22 @@ class RequestLog:
         ``SimConfig.stop_early_choice(index, choice, max_tokens)`` where each choice draws its own.
         As in vLLM's sampler, ``ignore_eos`` never stops, EOS is masked for the first ``min_tokens`` tokens,
         and a ``logit_bias`` on EOS of at least ``EOS_WINS`` makes it the first draw it is allowed in (a
-        random-weight model's logits are small: the benchmarks' ``min_tokens: L - 1`` with +100 gives L
-        tokens), one of at most -``EOS_WINS`` the last it is never drawn.
+        random-weight model's logits are small: ``min_tokens: L - 1`` with +100 gives L tokens), one of at most
+        -``EOS_WINS`` the last it is never drawn. A bias in between makes each draw past ``min_tokens`` end the
+        answer with the tiny model's ``stop_chance``, the same draws for the same request and choice: lengths
+        geometric as the real model's at temperature 1 (the realistic benchmark's answers end so, unread by
+        the gateway).
         """
         if ignore_eos or eos_bias <= -EOS_WINS:
             return max_tokens
         if eos_bias >= EOS_WINS:
             return min(max_tokens, min_tokens + 1)
+        if eos_bias:
+            chance = stop_chance(eos_bias)
+            drawn = random.Random(f"{request_index}:{choice}").random()
+            # The first of the geometric draws that ends it: ceil(log(1 - u) / log(1 - p)).
+            after = 1 if chance >= 1.0 else max(1, math.ceil(math.log1p(-drawn) / math.log1p(-chance)))
+            return min(max_tokens, min_tokens + after)
         stop_early, per_choice = self.config.stop_early, self.config.stop_early_choice
         if per_choice is not None:
             drawn = per_choice(request_index, choice, max_tokens)

@@ -38,6 +38,10 @@ def test_serve_help_explains_every_flag() -> None:
             {"managed": True, "model": "m", "vllm_args": ["--dtype", "float32", "--max-num-seqs", "8"]},
         ),
         (["serve", "--on-prompt-overflow", "truncate"], {}, {"on_prompt_overflow": "truncate"}),
+        (["serve"], {}, {"ttft_objective": "auto", "queue_timeout": 300.0}),
+        (["serve", "--ttft-objective", "5"], {}, {"ttft_objective": 5.0}),
+        (["serve", "--ttft-objective", "off"], {}, {"ttft_objective": "off"}),
+        (["serve"], {"VLLM_GUARD_TTFT_OBJECTIVE": "2.5"}, {"ttft_objective": 2.5}),
     ],
 )
 def test_serve_flags_build_the_settings(argv: list[str], env: dict[str, str], expected: dict[str, object]) -> None:
@@ -93,6 +97,8 @@ def test_a_config_file_is_read_and_flags_win(tmp_path: Path) -> None:
         (["serve", "--restart-every", "6h"], "need --managed"),
         (["serve", "--managed", "--model", "m", "--restart-every", "6 hours"], "not a duration: '6 hours'"),
         (["serve", "--managed", "--model", "m", "--restart-every", "0"], "--restart-every"),
+        (["serve", "--ttft-objective", "sometimes"], "--ttft-objective"),
+        (["serve", "--ttft-objective", "0"], "--ttft-objective"),
     ],
 )
 def test_invalid_settings_exit_2_with_a_clear_message(

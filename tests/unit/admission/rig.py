@@ -48,6 +48,7 @@ class Rig:
     """An Admission in front of a scripted engine, on a fake clock."""
 
     def __init__(self, *, engine: bool = False, **flags: Any) -> None:
+        flags.setdefault("queue_timeout", 30.0)  # the waits of these tests: a queue timeout of 30 s
         flags.setdefault("kv_target", 1.0)
         if not engine:
             flags.setdefault("kv_blocks", 10)

@@ -189,19 +189,30 @@ def test_the_outlook_books_what_a_request_surely_generates() -> None:
         (False, 0.5, 1.0, True, 0.0),  # nothing waits in the gateway: the engine's room is the load's
         (True, 0.95, 1.0, True, 0.0),  # the engine near full: no room the projection misses
         (True, 0.5, 0.5, True, 0.0),  # at its operator's KV target already
-        (True, 0.5, 1.0, False, 0.0),  # a TTFT objective: room in the cache is not time in the engine
+        # The engine's first tokens take all the TTFT objective leaves them: room in the cache is not time in it.
+        (True, 0.5, 1.0, False, 0.0),
     ],
 )
 def test_the_reach_grows_only_while_requests_wait_in_the_gateway_and_the_engine_has_room(
     held_back: bool, kv_usage: float, kv_target: float, allowed: bool, reach: float
 ) -> None:
-    projector = Projector(credit_window=0.5, kv_target=kv_target, reach=allowed)
+    projector = Projector(credit_window=0.5, kv_target=kv_target)
     snap = replace(never_scraped(0.0), ok=True, has_metrics=True, preemptions_total=0.0, kv_usage=kv_usage, waiting=0)
     for second in range(1, 5):
         new = replace(snap, taken_at=float(second))
-        projector.observe(snap, new, [], held_back=held_back)
+        projector.observe(snap, new, [], held_back=held_back, compute_room=allowed)
         snap = new
     assert projector.outlook().reach == pytest.approx(reach)
+
+
+def test_the_reach_is_taken_away_once_the_engine_has_no_time_left_within_the_objective() -> None:
+    projector = Projector(credit_window=0.5)
+    snap = replace(never_scraped(0.0), ok=True, has_metrics=True, preemptions_total=0.0, kv_usage=0.5, waiting=0)
+    for second, compute in ((1, True), (2, True), (3, True), (4, False)):
+        new = replace(snap, taken_at=float(second))
+        projector.observe(snap, new, [], held_back=True, compute_room=compute)
+        snap = new
+        assert projector.outlook().reach == pytest.approx(0.05 * second if compute else 0.0)
 
 
 @pytest.mark.parametrize(("declared", "admitted"), [(True, False), (False, True)],

@@ -27,6 +27,7 @@ class Engines:
     that may take requests (up and not hung)."""
 
     def __init__(self, *blocks: int, **flags: Any) -> None:
+        flags.setdefault("queue_timeout", 30.0)  # the waits of these tests: a queue timeout of 30 s
         flags.setdefault("kv_target", 1.0)
         flags.setdefault("admission_policy", "strict")
         flags.setdefault("prefix_sharing", "off")

@@ -1,0 +1,87 @@
+"""The TTFT objective the gateway derives when the operator sets none (``--ttft-objective auto``, the default), and
+when it holds: only while an overload is *sustained*.
+
+A queue serves two purposes that pull apart. Under a finite burst (16 long requests at once on an engine that
+runs two of them at a time) it holds the burst while the engine works through it, and a client that said
+nothing of its patience gets its answer as it would from the engine alone, however long that takes. Under a
+sustained overload (requests keep arriving faster than the engine finishes them) a long queue adds nothing: the
+engine is full either way, each request waits the whole queue out, and what is served comes late (with 30-s
+clients and no objective, the first tokens came at 13-30 s). There the queue only needs to hold enough to keep
+the engine fed; the rest is refused at once, while a retry elsewhere can still help.
+
+The two look alike at first (a queue that builds); they part once requests keep arriving into a queue that has
+held requests a while: the overload is **sustained** once a request that *arrived into a backlog* (one queued
+before it had waited past the derived wait, below) leaves the queue (admitted, refused or withdrawn) having
+waited past that wait itself, and stays so until the queue has stayed empty for ``CALM_SECONDS`` (a queue that
+empties at each release and fills again at the next arrival is still the same overload). A burst that arrives at
+once is queued whole before that happens, and so are its stragglers: vLLM's benchmark client sent 2 of a burst of
+16 long requests 3.5 s after the others, just after the first were admitted having waited 3.5 s, and the rule
+that took any late departure for a sustained overload refused those two. The first requests of a sustained
+overload are queued too. From then on an arriving request may wait in the queue
+
+    the engine's *unhurried* time to a first token (at least ``MIN_WAIT_SECONDS``)
+
+where unhurried is the 0.9 quantile of the last requests admitted as they arrived, whose first tokens came while
+nothing waited in the queue (``deadlines.FirstTokens.unqueued``). The engine's time *now* is held to the
+same bound the other way: while it is longer than the wait, the adaptive policy's reach past its preemption
+budget is taken away (``Deadlines.compute_room``), so the batch stops growing and its steps speed up. An admitted
+request so gets its first token within about twice the wait: the derived objective. The engine's time now is not
+the basis, though it is what a request admitted now will take: it grows as the batch fills and every step slows,
+the very thing the reach does under an overload, and a wait that grew with it would let the queue and the batch
+grow together (and make the bound on the engine's time always hold). The unhurried time is mostly a property of
+the engine and the prompts, not of the load, though requests admitted as they arrived into an engine already
+filling count too. Measured on vLLM's CPU build under the realistic benchmark's sustained overload (16 streams/s,
+docs/realistic.md): the unqueued time 0.09 s at the start, 0.6-1.06 s once the engine filled; the time now
+0.6-1.0 s while the overload was sustained. So there the wait was the floor (1.06 s at most) whichever it rested
+on, and the choice rests on the argument above, which those runs could not tell apart. The clients' own
+deadlines still apply, whichever comes first; they are no basis for the objective, since most clients say nothing
+(vLLM's benchmark client) or give minutes (the OpenAI SDKs: 600 s).
+
+The floor keeps the queue deep enough to feed an engine whose first tokens come fast (a GPU's take tens of
+milliseconds): a second of releases covers many admissions. The operator's ``--ttft-objective SECONDS`` holds
+for every request at all times; ``off`` leaves only ``--queue-timeout`` and the clients' deadlines.
+"""
+
+from __future__ import annotations
+
+MIN_WAIT_SECONDS = 1.0
+ENGINE_MULTIPLE = 1.0  # of the engine's unhurried time to a first token, that a request may wait
+CALM_SECONDS = 1.0  # of an empty queue, that end a sustained overload
+
+
+class SustainedOverload:
+    """Whether the overload is sustained, and the wait the derived objective allows an arriving request then."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.sustained = False
+        self._empty_since: float | None = None  # when the queue last became empty; None while requests wait
+
+    @staticmethod
+    def wait(unhurried: float) -> float:
+        """Seconds an arriving request may wait in the queue under a sustained overload, given the engine's
+        unhurried time to a first token."""
+        return max(MIN_WAIT_SECONDS, ENGINE_MULTIPLE * unhurried)
+
+    def objective(self, unhurried: float) -> float:
+        """The derived objective: the wait in the queue, and as long again at most in the engine."""
+        return 2 * self.wait(unhurried)
+
+    def applies(self, now: float) -> bool:
+        """Whether an arriving request is held to the derived objective now."""
+        if self.sustained and self._empty_since is not None and now - self._empty_since >= CALM_SECONDS:
+            self.sustained = False
+        return self.enabled and self.sustained
+
+    def left_queue(self, waited: float, unhurried: float, backlogged: bool) -> None:
+        """A request left the queue (admitted, refused or withdrawn) after waiting ``waited`` seconds;
+        ``backlogged``: it arrived while one queued before it had waited past the wait already."""
+        if self.enabled and backlogged and waited > self.wait(unhurried):
+            self.sustained = True
+
+    def queue(self, waiting: bool, now: float) -> None:
+        """Whether requests wait in the queue, as of ``now`` (after every pass over it)."""
+        if waiting:
+            self._empty_since = None
+        elif self._empty_since is None:
+            self._empty_since = now

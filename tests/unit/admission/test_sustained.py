@@ -1,0 +1,186 @@
+"""--ttft-objective auto, the default: a burst that arrives at once is queued whole and served however long the
+engine takes; once a request leaves the queue having waited longer than the derived wait (the overload is
+sustained), an arriving request may wait only the engine's unhurried time to a first token (at least a second), and
+one forecast to miss that is refused at once with 503 deadline; the queue emptying ends it. ``SECONDS`` holds for
+every request at all times, ``off`` never derives one."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway import errors
+from gateway.admission import Reservation
+from gateway.admission.deadlines import MIN_SAMPLES, Deadlines
+from gateway.admission.sustained import CALM_SECONDS, MIN_WAIT_SECONDS, SustainedOverload
+from gateway.config import Settings
+from tests.unit.admission.rig import Rig, enter, settle
+
+DEFAULT_QUEUE_TIMEOUT = Settings().queue_timeout
+
+
+@pytest.mark.parametrize(("unhurried", "wait", "objective"), [
+    pytest.param(0.0, MIN_WAIT_SECONDS, 2.0, id="an engine with no figure yet: the floor"),
+    pytest.param(0.4, MIN_WAIT_SECONDS, 2.0, id="a fast engine: at least a second of wait"),
+    pytest.param(2.5, 2.5, 5.0, id="a slow engine: as long as its own unhurried time"),
+])
+def test_the_derived_wait_is_the_engines_unhurried_time_to_a_first_token_at_least_a_second(
+    unhurried: float, wait: float, objective: float
+) -> None:
+    # The objective: the wait, and as long again in the engine (``Deadlines.compute_room`` holds it there).
+    overload = SustainedOverload(enabled=True)
+    assert (overload.wait(unhurried), overload.objective(unhurried)) == (pytest.approx(wait), pytest.approx(objective))
+
+
+@pytest.mark.parametrize(("enabled", "waits", "empty_for", "sustained"), [
+    pytest.param(True, [(0.5, True), (1.0, True)], None, False, id="waits within the wait: a queue that drains"),
+    pytest.param(True, [(0.5, True), (1.2, True)], None, True, id="one arrived into a backlog and waited past it"),
+    pytest.param(True, [(30.0, False)] * 3, None, False, id="a burst's own long waits: it arrived at once"),
+    pytest.param(True, [(1.2, True)], 0.5, True, id="a queue empty for a moment between a release and an arrival"),
+    pytest.param(True, [(1.2, True)], CALM_SECONDS, False, id="until the queue stays empty for a second"),
+    pytest.param(False, [(60.0, True)], None, False, id="off or SECONDS: never derived"),
+])
+def test_an_overload_is_sustained_once_a_request_that_arrived_into_a_backlog_waited_past_the_wait(
+    enabled: bool, waits: list[tuple[float, bool]], empty_for: float | None, sustained: bool
+) -> None:
+    overload = SustainedOverload(enabled)
+    overload.queue(True, 0.0)
+    for waited, backlogged in waits:
+        overload.left_queue(waited, unhurried=0.0, backlogged=backlogged)
+    if empty_for is not None:
+        overload.queue(False, 10.0)
+    assert overload.applies(10.0 + (empty_for or 0.0)) is sustained
+
+
+@pytest.mark.parametrize(("objective", "sustained", "client", "unhurried", "engine", "seconds", "own", "derived"), [
+    pytest.param("auto", False, None, 0.1, 0.3, DEFAULT_QUEUE_TIMEOUT, False, False, id="auto, no overload: the queue"),
+    pytest.param("auto", True, None, 0.1, 0.3, 1.0, True, True, id="auto, sustained: at least a second"),
+    pytest.param("auto", True, None, 2.0, 2.0, 2.0, True, True, id="auto, sustained, slow engine: its own time"),
+    pytest.param("auto", True, None, 0.1, 3.0, 1.0, True, True,
+                 id="auto, sustained, an engine slowed by the load: its unhurried time still"),
+    pytest.param("auto", True, 60.0, 0.1, 0.3, 1.0, True, True, id="a patient client: the derived wait"),
+    pytest.param("auto", True, 1.0, 0.1, 0.3, 0.7, True, False, id="an impatient client: its own deadline"),
+    pytest.param("off", True, None, 0.1, 0.3, DEFAULT_QUEUE_TIMEOUT, False, False, id="off: the queue timeout"),
+    pytest.param(5.0, False, None, 0.1, 2.0, 3.0, True, False, id="SECONDS: always, less the engine's time"),
+])
+def test_the_wait_limit_under_each_objective(
+    objective: float | str, sustained: bool, client: float | None, unhurried: float, engine: float, seconds: float,
+    own: bool, derived: bool,
+) -> None:
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, objective, lambda: 0.0)
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_tokens.add(unhurried)  # admitted as they arrived
+        deadlines.first_tokens.add(engine, queued=True)  # the engine's time now: the window's 0.9 quantile
+    deadlines.sustained.sustained = sustained
+
+    class Asked:
+        deadline = client
+
+    limit = deadlines.limit(Asked(), in_flight=3)
+    assert (limit.seconds, limit.own, limit.derived) == (pytest.approx(seconds), own, derived)
+
+
+async def test_a_burst_that_arrives_at_once_is_served_whole_however_long_the_engine_takes() -> None:
+    # The defaults (queue timeout and objective): twelve requests of 5 blocks where two fit, one ending every 10 s;
+    # two stragglers of it arrive just after the first of the queued were admitted, having waited 10 s.
+    rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict")
+    tasks = [enter(rig.req(5)) for _ in range(10)]
+    await settle()
+    assert rig.adm.in_flight == 2 and rig.adm.queued == 8
+    served = 0
+    while served < 12:
+        rig.clock.now += 10.0
+        rig.adm.tick()
+        if served == 1:
+            tasks += [enter(rig.req(5)) for _ in range(2)]
+            await settle()
+        running = [t for t in tasks if t.done()]
+        assert all(t.exception() is None for t in running), [t.exception() for t in running]  # none refused
+        running[served].result().release()
+        served += 1
+        await settle()
+    rig.clock.now += CALM_SECONDS
+    assert rig.adm.status()["deadlines"]["sustained_overload"] is False  # the queue stayed empty a second
+    rig.assert_drained()
+
+
+async def sustained(rig: Rig, releases: int = 12) -> tuple[list[Reservation], asyncio.Task[Reservation]]:
+    """Two requests of 5 blocks in flight on 10 and one waiting; 1.5 s later another arrives into that backlog
+    (past the 1-s wait of an engine with no figure yet) and is admitted 1.5 s later (sustained); from then on one
+    arrives and one is released every 0.5 s (10 blocks freed a second)."""
+    running = [await rig.req(5).__aenter__(), await rig.req(5).__aenter__()]
+    first = enter(rig.req(5))
+    await settle()
+    rig.clock.now += 1.5
+    task = enter(rig.req(5))
+    await settle()
+    rig.clock.now += 1.0
+    running.pop(0).release()
+    running.append(await first)
+    for _ in range(releases):
+        rig.clock.now += 0.5
+        running.pop(0).release()
+        running.append(await task)
+        task = enter(rig.req(5))
+        await settle()
+    return running, task
+
+
+@pytest.mark.parametrize("objective", ["auto", "off"])
+async def test_once_sustained_an_arrival_forecast_past_the_derived_wait_is_refused_at_once(objective: str) -> None:
+    rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict", ttft_objective=objective)
+    running, task = await sustained(rig)
+    assert rig.adm.status()["deadlines"]["sustained_overload"] is (objective == "auto")
+    # 5 blocks ahead and its own 10 at 10 blocks/s: 1.5 s, past 80% of the 1 s it may wait (not of the 300-s queue).
+    arriving = enter(rig.req(10))
+    await settle()
+    if objective == "auto":
+        with pytest.raises(errors.DeadlineUnreachable, match=r"exceeds 80% of the 1\.0 s a request may wait while "
+                           r"the overload is sustained \(--ttft-objective auto\)") as caught:
+            await arriving
+        assert caught.value.code == "deadline" and caught.value.retry_after == pytest.approx(1.5)
+        soon = enter(rig.req(1))  # 6 blocks to free: 0.6 s, within 80% of its second
+        await settle()
+        assert not soon.done() and rig.adm.queued == 2
+        soon.cancel()
+        await asyncio.gather(soon, return_exceptions=True)
+    else:
+        assert not arriving.done() and rig.adm.queued == 2  # off: the queue timeout only
+        arriving.cancel()
+        await asyncio.gather(arriving, return_exceptions=True)
+    for r in running:
+        r.release()
+    (await task).release()
+    await settle()
+    rig.clock.now += CALM_SECONDS
+    assert rig.adm.status()["deadlines"]["sustained_overload"] is False  # the queue stayed empty a second
+    # The next load starts anew: its first arrivals are queued, not judged against the derived wait.
+    running = [await rig.req(5).__aenter__(), await rig.req(5).__aenter__()]
+    queued = enter(rig.req(5))
+    await settle()
+    assert not queued.done() and rig.adm.queued == 1
+    running.pop(0).release()
+    (await queued).release()
+    running[0].release()
+    rig.assert_drained()
+
+
+@pytest.mark.parametrize(("objective", "sustained", "engine", "room"), [
+    pytest.param(5.0, False, 2.4, True, id="SECONDS: the engine takes under half of it"),
+    pytest.param(5.0, False, 2.6, False, id="SECONDS: over half of it"),
+    pytest.param("auto", False, 9.0, True, id="auto, no overload: no objective to keep"),
+    pytest.param("auto", True, 0.9, True, id="auto, sustained: within the second it allows"),
+    pytest.param("auto", True, 1.5, False, id="auto, sustained: past it"),
+    pytest.param("off", True, 9.0, True, id="off: no objective"),
+])
+def test_the_engine_has_room_for_more_while_its_first_tokens_leave_time_within_the_objective(
+    objective: float | str, sustained: bool, engine: float, room: bool
+) -> None:
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, objective, lambda: 0.0)
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_tokens.add(0.1)  # unhurried: admitted as they arrived
+        deadlines.first_tokens.add(engine, queued=True)
+    deadlines.sustained.sustained = sustained
+    # The window's 0.9 quantile: the engine's time now; the floor of a second stands for its unhurried 0.1 s.
+    assert deadlines.compute_room(in_flight=3) is room
