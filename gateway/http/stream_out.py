@@ -41,7 +41,10 @@ def too_slow(waiting: int, limit: int, what: str = "the limit") -> ClientTooSlow
 class HeldBytes:
     """Bytes waiting for slow readers, summed over every stream of the process, and the bound on them. Each
     stream's share is what its transport held after its last write (it only shrinks as the client reads, so the
-    sum is an upper bound); past the bound the largest holders are cut first."""
+    sum is an upper bound); past the bound the largest holders are cut and their connections closed, which drops
+    what they held. A stream cut by its own bound (``--max-buffered-bytes``) writes nothing more, but its
+    transport keeps what it held until the client reads it (the error event comes after) or the connection
+    closes: it stays in the sum until then, so the bound is on memory, not only on the streams still running."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -59,16 +62,31 @@ class HeldBytes:
     def forget(self, holder: Held) -> None:
         self.total -= self._held.pop(holder, 0)
 
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def sweep(self) -> None:
+        """Forget the holders that hold nothing any more (cut streams whose clients read, or whose connections
+        closed): run as a cut stream ends, so that the sum never keeps a closed connection for long."""
+        for holder in [h for h in self._held if h.waiting() <= 0]:
+            self.forget(holder)
+
     def _cut_largest(self) -> None:
         for holder, size in sorted(self._held.items(), key=lambda item: -item[1]):
             if self.total <= self.limit:
                 break
-            actual = holder.waiting()  # what it really holds now: it may have read since its last write
+            actual = holder.waiting()  # what it really holds now: it may have read since, or be gone
             self.total += actual - size
             self._held[holder] = actual
-            if self.total > self.limit and actual > 0:
+            if actual <= 0:
                 self.forget(holder)
-                holder.cut(too_slow(actual, self.limit, "the limit for all streams together"))
+            elif self.total > self.limit:
+                # Cut (its engine request cancelled, its end recorded), then closed: only closing the connection
+                # lets go of what its transport holds.
+                self.forget(holder)
+                if not holder.is_cut():
+                    holder.cut(too_slow(actual, self.limit, "the limit for all streams together"))
+                holder.drop()
 
 
 class Held:
@@ -79,7 +97,14 @@ class Held:
     def waiting(self) -> int:
         raise NotImplementedError
 
+    def is_cut(self) -> bool:
+        raise NotImplementedError
+
     def cut(self, error: GatewayError) -> None:
+        raise NotImplementedError
+
+    def drop(self) -> None:
+        """Let go of what is held now: the connection closes (a cut stream still held the most)."""
         raise NotImplementedError
 
 
@@ -113,20 +138,33 @@ class DirectOut(Held):
         waiting = self._buffered()
         if waiting > self._limit:
             self._cut = True
-            self._held.forget(self)
+            self._held.note(self, waiting)  # still held by the transport: counted until it is read or dropped
             raise too_slow(waiting, self._limit)
         self._held.note(self, waiting)
 
     def waiting(self) -> int:
-        return int(self._transport.get_write_buffer_size())
+        return 0 if self._transport.is_closing() else int(self._transport.get_write_buffer_size())
+
+    def is_cut(self) -> bool:
+        return self._cut
 
     def cut(self, error: GatewayError) -> None:
         self._cut = True
         if self.on_cut is not None:
             self.on_cut(error)
 
+    def drop(self) -> None:
+        self._cut = True
+        self._transport.abort()
+
     def close(self) -> None:
-        self._held.forget(self)
+        """The stream is over: what its transport still holds for a cut stream stays counted (until the client
+        reads it, the connection closes, or the bound drops it); anything else leaves the sum."""
+        if self._cut and self.waiting() > 0:
+            self._held.note(self, self.waiting())
+            self._held.sweep()
+        else:
+            self._held.forget(self)
 
 
 class QueueOut(Held):
@@ -195,11 +233,17 @@ class QueueOut(Held):
     def waiting(self) -> int:
         return self._size
 
+    def is_cut(self) -> bool:
+        return self._cut
+
     def cut(self, error: GatewayError) -> None:
         self._cut = True
         self._queue.clear()
         if self.on_cut is not None:
             self.on_cut(error)
+
+    def drop(self) -> None:
+        self.cut(too_slow(0, self._limit))
 
     def close(self) -> None:
         self._held.forget(self)

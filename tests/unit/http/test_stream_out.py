@@ -130,13 +130,21 @@ async def test_a_client_gone_mid_stream_aborts_the_engines_request_and_frees_eve
 class Holder(Held):
     def __init__(self, name: str, size: int, cuts: list[str]) -> None:
         self.name, self.size, self.cuts = name, size, cuts
+        self.was_cut = self.dropped = False
 
     def waiting(self) -> int:
-        return self.size
+        return 0 if self.dropped else self.size
+
+    def is_cut(self) -> bool:
+        return self.was_cut
 
     def cut(self, error: GatewayError) -> None:
         assert error.code == "client_too_slow"
+        self.was_cut = True
         self.cuts.append(self.name)
+
+    def drop(self) -> None:
+        self.dropped = True
 
 
 def test_past_the_bound_for_all_streams_the_largest_holders_are_cut_first() -> None:
@@ -148,6 +156,29 @@ def test_past_the_bound_for_all_streams_the_largest_holders_are_cut_first() -> N
     middle.size = 400
     held.note(middle, 400)  # 1,050: the largest goes
     assert cuts == ["large"] and held.total == 600
+    assert large.dropped and not (middle.dropped or small.dropped)
+
+
+def test_a_stream_cut_by_its_own_bound_counts_until_its_bytes_are_read_or_dropped() -> None:
+    held, cuts = HeldBytes(1000), []
+    stuck, other = Holder("stuck", 700, cuts), Holder("other", 200, cuts)
+    stuck.was_cut = True  # cut by --max-buffered-bytes: it writes no more, but its transport still holds 700
+    held.note(stuck, 700)
+    held.note(other, 200)
+    assert held.total == 900 and cuts == []
+    other.size = 400
+    held.note(other, 400)  # 1,100: the stuck stream holds the most; its connection is closed, its bytes dropped
+    assert stuck.dropped and cuts == [] and held.total == 400
+
+
+def test_holders_whose_bytes_are_gone_are_swept_from_the_sum() -> None:
+    held, cuts = HeldBytes(1000), []
+    gone, live = Holder("gone", 300, cuts), Holder("live", 100, cuts)
+    held.note(gone, 300)
+    held.note(live, 100)
+    gone.size = 0  # its client read it all, or its connection closed
+    held.sweep()
+    assert held.total == 100 and len(held) == 1
 
 
 def test_a_holder_that_read_since_its_last_write_is_counted_as_it_is_now() -> None:
