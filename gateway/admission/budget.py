@@ -34,8 +34,8 @@ to ``--preemption-budget`` preemptions per 100 completed requests, and holds adm
   (``deadlines.Deadlines.compute_room``), and is taken away once it does not.
 
 ``--preemption-budget`` is 3 by default: on the realistic benchmark's chat workload at twice capacity
-(``bench/realistic.py``, 48 streams/s) the bare engine preempted 15-19 times per 100 requests, the target is a
-quarter of that, and in paired runs a budget of 3 held the engine to 15-18 preemptions per 950-request run (a
+(``python -m bench run realistic``: 48 streams/s) the bare engine preempted 15-19 times per 100 requests; the target
+is a quarter of that, and in paired runs a budget of 3 held the engine to 15-18 preemptions per 950-request run (a
 tenth of vLLM alone's) at 0.94x its tokens/s against 0.89x with a budget of 1.
 """
 
