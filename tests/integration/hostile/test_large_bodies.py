@@ -106,6 +106,12 @@ class HealthProbe:
         self._stop.set()
         self._thread.join(10)
 
+    def wait_for(self, count: int, timeout: float = 30.0) -> None:
+        """Until ``count`` probes have answered (each /health is a round trip: on a busy machine tens of ms)."""
+        deadline = time.monotonic() + timeout
+        while len(self.latencies) < count and time.monotonic() < deadline:
+            time.sleep(0.005)
+
     def _run(self) -> None:
         with httpx.Client(base_url=self.url, timeout=30.0) as client:
             while not self._stop.is_set():
@@ -138,13 +144,14 @@ def probe_bound() -> float:
 def test_a_hostile_body_never_stalls_the_other_clients(big_gw: Target, case: Case) -> None:
     assert case.body is not None and len(case.body) <= DEFAULT_MAX_BODY, "the body must be under the default limit"
     with HealthProbe(big_gw.url, lambda: loop_thread_cpu_seconds(big_gw)) as probe:
-        time.sleep(0.05)  # the probe is polling before the body goes out
+        probe.wait_for(1)  # the probe is polling before the body goes out
         # Counting 7 MB of text takes seconds on a busy machine: the client waits, the others must not.
         r = big_gw.client.request(
             case.method, case.path, content=case.body, timeout=120.0,
             headers={"content-type": "application/json", **big_gw.auth()},
         )
-        time.sleep(0.05)
+        before = len(probe.latencies)
+        probe.wait_for(before + 2)  # one probe that may have been under way as the answer came, and one after it
     err = check_answer(r.status_code, r.content, case)
     assert err is None or len(err["message"]) < 2000, "the error quotes the body back"
     assert len(probe.latencies) >= 3, "the probe did not run alongside the request"
