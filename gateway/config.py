@@ -191,6 +191,23 @@ class Settings(BaseSettings, AdmissionFields, HttpFields, ManagedFields, Observe
         """Each managed engine's CUDA_VISIBLE_DEVICES, as ``--engine-devices`` names them (none: no list)."""
         return [g.strip() for g in (self.engine_devices or "").split(";") if g.strip()]
 
+    def watermark(self) -> float:
+        """The fraction of KV blocks the engine keeps free when admitting beside running requests: the flag, else
+        in managed mode vLLM's own ``--watermark`` among its arguments (its last value, as vLLM reads it)."""
+        if self.engine_watermark is not None:
+            return self.engine_watermark
+        value: str | None = None
+        args = self.vllm_args if self.managed else []
+        for i, a in enumerate(args):
+            key, eq, val = a.partition("=")
+            if key == "--watermark":
+                value = val if eq else (args[i + 1] if i + 1 < len(args) else None)
+        try:
+            fraction = float(value) if value is not None else 0.0
+        except ValueError:
+            return 0.0  # vLLM refuses to start with it, and says why
+        return fraction if 0.0 <= fraction < 1.0 else 0.0
+
     def engine_count(self) -> int:
         """How many engines managed mode runs."""
         return self.managed_engines or max(1, len(self.device_groups()))

@@ -36,6 +36,12 @@ class AdmissionFields(BaseModel):
         description="Fraction of the engine's KV blocks the gateway may commit; lower it when clients "
         "bypass the gateway.",
     )
+    engine_watermark: float | None = Field(
+        None, ge=0.0, lt=1.0, description="The fraction of KV blocks the engine keeps free when it admits a request "
+        "beside running ones (vLLM's --watermark): the gateway admits beside requests in flight within the rest, so "
+        "that what it admits runs rather than waiting in vLLM's own queue. Default: in managed mode the --watermark "
+        "vLLM is started with, else 0.",
+    )
     kv_blocks: int | None = Field(
         None, ge=1, description="Engine KV capacity in blocks, when the engine does not publish it."
     )
@@ -75,8 +81,9 @@ class AdmissionFields(BaseModel):
         "held requests longer than the wait below), an arriving request may wait as long as the engine's first "
         "token takes when it is not overloaded (at least 1 s), and one forecast to miss that is refused at once "
         "(503 deadline); a burst that arrives at once is queued whole. SECONDS: every request forecast to get no "
-        "first token within this is refused at once, so that admitted requests stay within it. off: only "
-        "--queue-timeout and the clients' deadlines."
+        "first token within this is refused at once, so that admitted requests stay within it. Either objective judges a "
+        "request as it arrives: one it queued waits on, within --queue-timeout and its client's own deadline. off: "
+        "only --queue-timeout and the clients' deadlines."
     )
     max_concurrency: int | None = Field(
         None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."

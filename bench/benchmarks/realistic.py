@@ -22,7 +22,8 @@ SDKs do).
 Targets: ``direct`` (vLLM), ``watermark`` (a second vLLM with ``--watermark 0.05``, what a user would set instead
 of a gateway), ``strict`` (the gateway with ``--admission-policy strict``), ``default`` (the gateway as it starts
 without a flag; ``--gateway-commit`` runs a commit's instead of this tree's), ``objective`` (the default gateway
-with ``--ttft-objective`` at ``--objective``, the goodput's objective), ``baseline`` (the default
+with ``--ttft-objective`` at ``--objective``, the goodput's objective), ``default+watermark`` (the default gateway
+in front of the watermark's vLLM, told of it with ``--engine-watermark``), ``baseline`` (the default
 policy at ``--baseline-commit``), ``busy`` (only when asked for: vLLM alone beside a process spinning
 ``--busy-cores`` of one core, what the gateway's CPU alone costs an engine it shares the cores with), and each
 ``--variant NAME=COMMIT[::FLAG,FLAG][@nice=N|@batch|@cpus=LIST]`` (a gateway at a commit, ``.`` for this tree,
@@ -49,7 +50,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.benchmarks.realistic_run import LOADS, Bench, Load, picture, quick_loads
+from bench.benchmarks.realistic_run import ENGINE_OF, LOADS, Bench, Load, picture, quick_loads
 from bench.harness.context import Context
 from bench.harness.pairing import in_turns
 from bench.harness.processes import cpu_list
@@ -60,12 +61,13 @@ from bench.workloads.realistic import Outcome, capacity
 from bench.workloads.realistic_clients import CLIENTS
 
 SUMMARY = "production-shaped chat streams on a real vLLM: alone, with --watermark, through the gateway's policies"
-TARGETS = ["direct", "watermark", "strict", "default", "objective", "busy"]
+TARGETS = ["direct", "watermark", "strict", "default", "objective", "default+watermark", "busy"]
 DEFAULT_TARGETS = ["direct", "watermark", "strict", "default", "objective"]
 KV_CACHE_MIB = 64
 WATERMARK = ("--watermark", "0.05")
 # The gateway's flags per gateway target (the variants bring their own).
-GATEWAY_FLAGS = {"strict": ("--admission-policy", "strict"), "default": (), "baseline": ()}
+GATEWAY_FLAGS = {"strict": ("--admission-policy", "strict"), "default": (), "baseline": (),
+                 "default+watermark": ("--engine-watermark", WATERMARK[1])}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,7 +117,7 @@ def gateway_specs(args: argparse.Namespace, targets: list[str]) -> dict[str, Gat
     """Each gateway target's commit, flags and mode."""
     specs: dict[str, GatewaySpec] = {}
     for t in targets:
-        if t in ("strict", "default"):
+        if t in ("strict", "default", "default+watermark"):
             specs[t] = GatewaySpec(args.gateway_commit, GATEWAY_FLAGS[t])
         elif t == "objective":
             specs[t] = GatewaySpec(args.gateway_commit, ("--ttft-objective", f"{args.objective:g}"))
@@ -143,9 +145,8 @@ def start(ctx: Context, targets: list[str], loads: list[str]) -> Bench:
     args = ctx.args
     model = engines.tiny_model()
     kv = args.kv_cache_mib << 20
-    engine_of = {"direct": "direct", "watermark": "watermark"}
     started = {name: engines.vllm(ctx, name, flags=WATERMARK if name == "watermark" else (), kv_cache_bytes=kv,
-                                  model=model) for name in sorted({engine_of.get(t, "direct") for t in targets})}
+                                  model=model) for name in sorted({ENGINE_OF.get(t, "direct") for t in targets})}
     ctx.start(*started.values())
     bench = Bench(ctx, started, {}, engines.eos_id(model), model)
     for engine in started.values():
@@ -154,7 +155,8 @@ def start(ctx: Context, targets: list[str], loads: list[str]) -> Bench:
     gateways: list[Target] = []
     modes: dict[str, str] = {}
     for name, spec in gateway_specs(args, targets).items():
-        gw = proxies.gateway(ctx, name, [started["direct"]], flags=list(spec.flags), commit=spec.commit)
+        gw = proxies.gateway(ctx, name, [started[ENGINE_OF.get(name, "direct")]], flags=list(spec.flags),
+                             commit=spec.commit)
         bench.gateways[name] = gw
         gateways.append(gw)
         if spec.mode:

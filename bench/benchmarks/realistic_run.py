@@ -54,6 +54,9 @@ def quick_loads() -> dict[str, Load]:
             for n, s in LOADS.items()}
 
 
+# The engine each target sends to (a gateway's: the one it fronts); the others send to ``direct``.
+ENGINE_OF = {"watermark": "watermark", "default+watermark": "watermark"}
+
 @dataclass
 class Bench:
     """The servers of one invocation and how to send a run through each target."""
@@ -71,7 +74,7 @@ class Bench:
         return str(get_json(f"{self.engines['direct'].url}/version").get("version", "?"))
 
     def engine_of(self, target: str) -> Target:
-        return self.engines["watermark" if target == "watermark" else "direct"]
+        return self.engines[ENGINE_OF.get(target, "direct")]
 
     def only(self, engine: Target) -> None:
         """Stops the engines a run does not use (SIGSTOP to each server's group), resumes the one it does: an idle

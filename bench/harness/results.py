@@ -105,9 +105,12 @@ def fmt(value: float, spec: str) -> str:
     return format(value, spec)
 
 
-def compared(ratio: float, delta: float, measure: Measure) -> str:
+def compared(ratio: float | None, delta: float | None, measure: Measure) -> str:
     """A comparison's cell: the ratio; the difference first where it is the point (added latency); nothing for
     counts (errors)."""
+    # A ratio of nothing to nothing (a hit rate of 0 against 0) is written to JSON as null and read back as None.
+    ratio = math.nan if ratio is None else ratio
+    delta = math.nan if delta is None else delta
     if measure.compare == "none" or math.isnan(delta):
         return ""
     if measure.compare == "delta":

@@ -228,10 +228,12 @@ class Admission:
         adaptive = self._settings.admission_policy == "adaptive"  # strict keeps arrival order
         alone = not self._queue
         shift = order.queue_shift(r, self._sites, self._block_size, limit.seconds) if adaptive and not alone else 0.0
-        self._queue.push(r, now, now + limit.seconds, shift)
-        self._pump(arriving=r)
+        r.due = now + limit.seconds if limit.then is not None else None
+        self._queue.push(r, now, now + limit.queued.seconds, shift)
+        self._pump(arriving=r, due=r.due)  # judged by ``limit``; once queued, by ``limit.queued``
         if r.admitted:
             return
+        r.wait_limit = limit.queued
         if adaptive and alone:  # still queued (a no-op if the forecast refused it)
             self._queue.reshift(r, order.queue_shift(r, self._sites, self._block_size, limit.seconds))
         if len(self._queue) > self._settings.max_queue:
@@ -273,9 +275,9 @@ class Admission:
             r.withdraw()
 
     # -- the queue --------------------------------------------------------------------------------
-    def _pump(self, arriving: Reservation | None = None) -> None:
+    def _pump(self, arriving: Reservation | None = None, due: float | None = None) -> None:
         """Expire, then admit from the queue as far as the policy allows; refuse what is forecast to miss its
-        deadline (``arriving``, the request just queued, at the rate seen: ``forecast``)."""
+        deadline (``arriving``, the request just queued, at the rate seen and by ``due``: ``forecast``)."""
         self._expire(arriving)
         self._capacity()  # first: a rebase moves every need
         if arriving is None or self._moved:
@@ -304,7 +306,9 @@ class Admission:
             if largest is not None and self._queue:  # refused now rather than at the deadline: forecast to wait
                 free = self._sites.budget_total() - self.committed
                 backlog, span = self._queue.backlog(), refusals.span_of(self._settings.queue_timeout)
-                for late in self._forecast.late(backlog, free, len(self._in_flight), span, arriving):
+                now = self._clock()
+                overdue = partial(_overdue, now=now)
+                for late in self._forecast.late(backlog, free, len(self._in_flight), span, arriving, due, overdue):
                     self._fail(late.item, refusals.expected_late(late, self._settings.queue_timeout))
         self._deadlines.sustained.queue(bool(self._queue), self._clock())
         self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)
@@ -398,3 +402,8 @@ class Admission:
         self._metrics.record_preemption_control(control.quantile, control.rate(new.taken_at), control.reach)
         self._pump()
         self.publish()
+
+
+def _overdue(r: Reservation, now: float) -> bool:
+    """Whether a queued request is past the time its objective gave it to be admitted by."""
+    return r.due is not None and r.due < now

@@ -14,11 +14,14 @@ not the average one). It is used only while requests are in flight: an idle engi
 and a figure learned under a load that has gone would otherwise refuse requests it can serve.
 
 A request whose deadline leaves it no time to wait is refused as it arrives (503 ``deadline``), and one forecast
-to wait past it is refused at once by the forecast (``forecast``), with a computed ``Retry-After``; one that
-reaches its deadline in the queue all the same gets the same 503: a busy engine missed it, and later, less busy,
-it may not. A deadline below ``MIN_DEADLINE_SECONDS`` is another matter: no engine meets it, busy or idle, so
-it is the client's mistake, refused as the request is read (400 naming the header and this floor), not a 503
-that the OpenAI SDKs would retry in vain.
+to wait past it is refused at once by the forecast (``forecast``), with a computed ``Retry-After``. An objective
+(the operator's or the derived one) is the gateway's aim rather than the client's deadline: it judges a request
+only as it arrives, and one it queued waits on, within the client's own deadline and ``--queue-timeout``
+(``WaitLimit.then``), so that every refusal an objective makes comes at arrival. One that reaches the client's
+own deadline in the queue gets the same 503: a busy engine missed it, and later, less busy, it may not. A deadline
+below ``MIN_DEADLINE_SECONDS`` is another matter: no engine meets it, busy or idle, so it is the client's mistake,
+refused as the request is read (400 naming the header and this floor), not a 503 that the OpenAI SDKs would retry
+in vain.
 """
 
 from __future__ import annotations
@@ -58,6 +61,14 @@ class WaitLimit:
     engine_seconds: float  # the engine's time to a first token it allows for
     derived: bool = False  # the objective the gateway derives under a sustained overload sets it (``sustained``)
     backlogged: bool = False  # it arrived while a request queued before it had waited past the derived wait
+    # Where an objective (the operator's or the derived one) sets the wait, the limit that holds once the request is
+    # queued: the client's own deadline or ``--queue-timeout``. None: this one holds throughout.
+    then: WaitLimit | None = None
+
+    @property
+    def queued(self) -> WaitLimit:
+        """The limit that holds once the request is queued."""
+        return self.then if self.then is not None else self
 
 
 class FirstTokens:
@@ -117,7 +128,9 @@ class Deadlines:
     def limit(self, r: Deadlined, in_flight: int, oldest_wait: float = 0.0) -> WaitLimit:
         """How long ``r`` may wait; ``oldest_wait``: how long the first of those queued before it has waited."""
         limit = self._limit(r, in_flight)
-        return replace(limit, backlogged=oldest_wait > self.sustained.wait(self.unhurried()))
+        backlogged = oldest_wait > self.sustained.wait(self.unhurried())
+        then = replace(limit.then, backlogged=backlogged) if limit.then is not None else None
+        return replace(limit, backlogged=backlogged, then=then)
 
     def _limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
         own = [d for d in (r.deadline, self.objective) if d is not None]
@@ -126,12 +139,22 @@ class Deadlines:
             return WaitLimit(self.queue_timeout, False, 0.0)
         engine = self.engine_seconds(in_flight)
         allowed = min(own) - engine if own else math.inf
+        # An objective is the gateway's aim, not the client's deadline: it judges a request as it arrives (refused
+        # at once when forecast to miss it), and a request it queued is served however long it then waits, within
+        # the client's own deadline and the queue timeout. Refused at the end of its wait instead, it would have
+        # waited seconds for a 503 (p99 4.3 s after arrival with --ttft-objective 5, docs/realistic.md) where the
+        # engine could still serve it, a little late.
+        client = r.deadline - engine if r.deadline is not None else math.inf
+        then = WaitLimit(client, True, engine) if client < self.queue_timeout else WaitLimit(
+            self.queue_timeout, False, engine)
         # The derived wait is not cut by the engine's time now: that time is held within it (``compute_room``).
         if derived and (wait := self.sustained.wait(self.unhurried())) < allowed:
-            return WaitLimit(min(wait, self.queue_timeout), True, engine, derived=True)
-        if allowed < self.queue_timeout:
-            return WaitLimit(allowed, True, engine)
-        return WaitLimit(self.queue_timeout, False, engine)
+            limit = WaitLimit(min(wait, self.queue_timeout), True, engine, derived=True)
+        elif allowed < self.queue_timeout:
+            limit = WaitLimit(allowed, True, engine)
+        else:
+            return WaitLimit(self.queue_timeout, False, engine)
+        return replace(limit, then=then) if then.seconds > limit.seconds else limit
 
     def unhurried(self) -> float:
         """The engine's time to a first token when not overloaded (0 before any was seen)."""

@@ -68,6 +68,7 @@ class Late(Generic[W]):
     blocks_per_second: float
     in_flight: int  # requests whose release it waits for
     arriving: bool = False  # judged as it arrived: within ``ARRIVAL_SHARE`` of its time
+    behind: bool = False  # arriving behind a request already past the time its objective gave it
 
 
 @dataclass(frozen=True)
@@ -167,14 +168,18 @@ class Forecast:
 
     def late(
         self, backlog: Iterable[tuple[str, float, W, float]], free: int, in_flight: int,
-        span: Callable[[W], float] | None = None, arriving: W | None = None,
+        span: Callable[[W], float] | None = None, arriving: W | None = None, due: float | None = None,
+        overdue: Callable[[W], bool] | None = None,
     ) -> list[Late[W]]:
         """The requests of ``backlog`` (``(lane, share, request, deadline)`` in each lane's order, as
         ``WaitQueue.backlog`` gives them) that would miss their deadline: ``arriving``, the request just queued,
         when the rate seen would not admit it within ``ARRIVAL_SHARE`` of its time; the others even at the
-        margin's faster rate. ``span``: how long a request may wait in all
-        (its own deadline may be shorter than the queue timeout); none is refused in the last ``LAST_SHARE`` of
-        it."""
+        margin's faster rate; ``due``: when ``arriving`` must be admitted by, where that is sooner than the deadline
+        it is queued with (an objective judges it as it arrives only); ``overdue``: whether a queued request is past
+        the time its objective gave it, which makes ``arriving``, behind it, late too (the rate has fallen under
+        what was forecast: a queue behind its objectives is not joined, whatever the rate says). ``span``: how long
+        a request may wait in all (its own deadline may be shorter than the queue timeout); none is refused in the
+        last ``LAST_SHARE`` of it."""
         seen = self.rate()
         if not self.enabled or seen is None or in_flight == 0:
             return []
@@ -184,22 +189,28 @@ class Forecast:
         now = self._clock()
         ahead: dict[str, tuple[int, int]] = {}  # per lane: blocks and requests kept ahead so far
         found: list[Late[W]] = []
+        behind: set[str] = set()  # lanes with a request ahead past the time its objective gave it
         for lane, share, item, deadline in backlog:
             blocks, count = ahead.get(lane, (0, 0))
             through = math.ceil((blocks + item.blocks) / share)  # with other lanes' turns taken meanwhile
             need = max(0, through - free)
-            time_left = deadline - now
+            time_left = (due if item is arriving and due is not None else deadline) - now
             last_moments = self._last_moments if span is None else LAST_SHARE * span(item)
+            overdue_ahead = False
             if item is arriving:
-                late = need > 0 and need / rate > ARRIVAL_SHARE * time_left
+                overdue_ahead = need > 0 and due is not None and lane in behind
+                late = overdue_ahead or (need > 0 and need / rate > ARRIVAL_SHARE * time_left)
             else:
                 late = need > 0 and need / fast > time_left >= last_moments
             if late:
                 position = math.ceil((count + 1) / share) - 1
                 found.append(Late(
-                    item, need / rate, time_left, position, through - item.blocks, rate, in_flight, item is arriving
+                    item, need / rate, time_left, position, through - item.blocks, rate, in_flight, item is arriving,
+                    overdue_ahead,
                 ))
                 continue  # refused: it frees its place for those behind it
+            if overdue is not None and overdue(item):
+                behind.add(lane)
             ahead[lane] = (blocks + item.blocks, count + 1)
         return found
 

@@ -57,6 +57,7 @@ class KvView:
     def __init__(self, engine: SnapshotSource | None, settings: Settings) -> None:
         self._engine = engine
         self._settings = settings
+        self._watermark = settings.watermark()
         # The capacity of the last snapshot read, and the budget of the last capacity: both change only with a
         # new snapshot, and admission asks for them several times a request (a frozen dataclass built each time
         # was ~10% of admission's CPU).
@@ -77,6 +78,11 @@ class KvView:
             budget = budget_blocks(cap, self._settings.kv_target)
             self._budget_of = (cap, budget)
         return budget
+
+    def watermark_blocks(self, cap: Capacity) -> int:
+        """The blocks the engine keeps free when it admits a request beside running ones (vLLM's ``--watermark``:
+        ``int(watermark x num_blocks)`` in ``KVCacheManager``, rounded up here, a block of margin at most)."""
+        return math.ceil(self._watermark * cap.blocks - 1e-9) if self._watermark else 0
 
     def live_usable(self) -> bool:
         """Whether the engine's usage figures are fresh enough to admit on."""

@@ -3,7 +3,8 @@
 ``strict`` admits while the books (``committed + need``) stay within the budget, or, with ``--time-aware on``,
 the peak of the usage as the requests in flight end in turn does (``timeline``). ``adaptive`` admits whenever
 strict would and, while the engine's metrics are fresh, as far as the projected usage of the admitted requests over
-the tokens to come leaves room (``curve``). Both honour ``--max-concurrency``, and leave the room other active
+the tokens to come leaves room (``curve``). Beside requests in flight both keep the engine's watermark free
+(``--engine-watermark``), as the engine itself does. Both honour ``--max-concurrency``, and leave the room other active
 tenants keep (``headroom``). One pass over the queue computes the projection once and adds each admitted
 request's curve to it."""
 
@@ -47,6 +48,11 @@ class Policy:
         if cap is None:
             return True
         self._books.quote(r)
+        if in_flight:
+            # The engine admits beside running requests only while its watermark stays free (vLLM's
+            # ``--watermark``; a request alone may use it all): booked past it, a request would wait in vLLM's
+            # own queue, where the gateway can neither order nor refuse it.
+            budget -= self._kv.watermark_blocks(cap)
         if r.blocks > budget:
             return False
         budget -= self._headroom.reserved(r, budget)  # the room the other active tenants keep (``headroom``)

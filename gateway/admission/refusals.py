@@ -68,6 +68,14 @@ def expected_late(late: Late[Any], timeout: float) -> errors.QueueTimeoutExpecte
     limit: WaitLimit | None = late.item.wait_limit
     if limit is None or not limit.own:
         return queue_timeout_expected(late, timeout)
+    if late.behind:
+        return errors.DeadlineUnreachable(
+            f"Requests queued ahead of it are already past the time the TTFT objective gave them"
+            f"{' ' + SUSTAINED if limit.derived else ''}{_engine(limit)} "
+            f"({_count(late.position, 'request')} ahead needing {_count(late.blocks_ahead, 'KV block')}; "
+            f"{_count(late.in_flight, 'request')} in flight free {late.blocks_per_second:.1f} blocks/s); retry later.",
+            retry_after=min(RETRY_AFTER_MAX, max(RETRY_AFTER_MIN, late.expected_wait)),
+        )
     if limit.derived:
         reach = (f"exceeds {ARRIVAL_SHARE:.0%} of the {late.time_left:.1f} s a request may wait {SUSTAINED}"
                  if late.arriving else f"misses the end of the wait allowed {SUSTAINED}, {late.time_left:.1f} s away")

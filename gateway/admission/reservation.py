@@ -77,6 +77,7 @@ class Reservation:
         self.family = family  # served model and route: whose answers' lengths it is booked from (``lengths``)
         self.deadline = deadline  # seconds its client gives it to a first token, when it says (``deadlines``)
         self.wait_limit: WaitLimit | None = None  # how long it may wait in the queue, set as it enters
+        self.due: float | None = None  # when an objective wanted it admitted by, where one judged it as it arrived
         self._admitted_at: float | None = None
         self.avoid = avoid  # engines not to place it on (one failed under it already)
         self.target: Target | None = None  # where it was placed, once admitted

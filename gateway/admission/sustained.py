@@ -25,7 +25,8 @@ where unhurried is the 0.9 quantile of the last requests admitted as they arrive
 nothing waited in the queue (``deadlines.FirstTokens.unqueued``). The engine's time *now* is held to the
 same bound the other way: while it is longer than the wait, the adaptive policy's reach past its preemption
 budget is taken away (``Deadlines.compute_room``), so the batch stops growing and its steps speed up. An admitted
-request so gets its first token within about twice the wait: the derived objective. The engine's time now is not
+request so gets its first token within about twice the wait: the derived objective. Like the operator's, it judges
+a request as it arrives: one it queued waits on past the wait if the engine slows (``deadlines.WaitLimit.then``). The engine's time now is not
 the basis, though it is what a request admitted now will take: it grows as the batch fills and every step slows,
 the very thing the reach does under an overload, and a wait that grew with it would let the queue and the batch
 grow together (and make the bound on the engine's time always hold). The unhurried time is mostly a property of

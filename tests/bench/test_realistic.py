@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from bench.benchmarks.realistic import TARGETS, GatewaySpec, gateway_specs, measures, variant
+from bench.benchmarks.realistic import ENGINE_OF, TARGETS, GatewaySpec, gateway_specs, measures, variant
 from bench.harness import plots
 from bench.harness.cpu import Spinner
 from bench.workloads.realistic import (
@@ -127,10 +127,16 @@ def test_a_variant_names_a_commit_or_this_tree_its_flags_and_how_its_threads_run
 def test_the_gateway_targets_run_their_policy_at_their_commit() -> None:
     args = argparse.Namespace(gateway_commit=None, baseline_commit="HEAD~3", variant=["b4=.::--preemption-budget=4"],
                               objective=5.0)
-    specs = gateway_specs(args, ["direct", "strict", "default", "objective", "baseline"])
+    specs = gateway_specs(args, ["direct", "strict", "default", "objective", "default+watermark", "baseline"])
     assert specs == {"strict": GatewaySpec(None, ("--admission-policy", "strict")), "default": GatewaySpec(None, ()),
                      "objective": GatewaySpec(None, ("--ttft-objective", "5")),
+                     "default+watermark": GatewaySpec(None, ("--engine-watermark", "0.05")),
                      "baseline": GatewaySpec("HEAD~3", ()), "b4": GatewaySpec(None, ("--preemption-budget=4",))}
+
+
+def test_the_gateway_beside_the_watermark_fronts_the_watermarks_engine_and_is_told_of_it() -> None:
+    assert ENGINE_OF["default+watermark"] == ENGINE_OF["watermark"] == "watermark"
+    assert "default+watermark" in TARGETS and ENGINE_OF.get("default", "direct") == "direct"
 
 
 def test_capacity_is_the_highest_rate_under_the_bound_below_which_all_were() -> None:

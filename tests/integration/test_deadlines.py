@@ -91,7 +91,7 @@ async def test_under_sustained_overload_the_ttft_objective_keeps_admitted_reques
     rig: Callable[..., GatewayServer],
 ) -> None:
     """The overload of test_overload (about three times what the engine serves) with --ttft-objective 1: every
-    request is answered having waited at most the objective, or refused with 503 deadline, most of them early."""
+    request is refused with 503 deadline as it arrives, or queued and answered, most within the objective."""
     objective = 1.0
     gw = rig(ttft_objective=objective)
     await overload_rig.overload(gw.url, 12, float("inf"))  # releases to learn the rate from
@@ -100,8 +100,9 @@ async def test_under_sustained_overload_the_ttft_objective_keeps_admitted_reques
     assert set(counted) <= {"ok", "deadline"} and counted.get("ok", 0) >= 8 and counted.get("deadline", 0) >= 8, (
         counted
     )
-    waits = [float(r.headers["x-guard-queue-ms"]) for r, _ in answers if r.status_code == 200]
-    assert max(waits) <= 1000 * objective + 250, waits  # the deadline timer's slack on a busy machine
+    waits = sorted(float(r.headers["x-guard-queue-ms"]) for r, _ in answers if r.status_code == 200)
+    assert waits[len(waits) * 3 // 4] <= 1000 * objective, waits  # the forecast's margin at arrival
+    assert waits[-1] <= 3000 * objective, waits  # a queued request is served, late at worst, not refused
     refused = [seconds for r, seconds in answers if r.status_code != 200]
     assert all(int(r.headers["retry-after"]) >= 1 for r, _ in answers if r.status_code != 200)
-    assert sorted(refused)[len(refused) // 2] < objective  # most refused before waiting the objective out
+    assert max(refused) < objective / 2, sorted(refused)  # every refusal at arrival, none after waiting

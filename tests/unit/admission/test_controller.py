@@ -50,6 +50,37 @@ async def test_the_ledger_never_exceeds_the_target_without_live_metrics(policy: 
     rig.assert_drained()
 
 
+@pytest.mark.parametrize("policy", ["strict", "adaptive"])
+@pytest.mark.parametrize("flags", [{"engine_watermark": 0.05}, {"managed": True, "model": "m",
+                                                                 "vllm_args": ["--watermark", "0.05"]}])
+async def test_beside_requests_in_flight_admission_keeps_the_engines_watermark_free(
+    policy: str, flags: dict[str, object]
+) -> None:
+    """vLLM with --watermark 0.05 admits a request beside running ones only while 5 of 100 blocks stay free after
+    it; a request alone may use them all. Booked past that, a request would wait in vLLM's own queue."""
+    rig = Rig(admission_policy=policy, kv_blocks=100, **flags)
+    alone = await rig.req(98).__aenter__()  # alone: the whole cache
+    alone.release()
+    first = await rig.req(90).__aenter__()
+    second = await rig.req(5).__aenter__()  # 95 of 100: the watermark's 5 stay free
+    third = enter(rig.req(1))
+    await settle()
+    assert (rig.adm.committed, rig.adm.queued) == (95, 1)
+    second.release()
+    (await third).release()
+    first.release()
+    rig.assert_drained()
+
+
+async def test_without_a_watermark_admission_books_the_whole_cache() -> None:
+    rig = Rig(kv_blocks=100)
+    held = [await rig.req(90).__aenter__(), await rig.req(10).__aenter__()]
+    assert rig.adm.committed == 100
+    for r in held:
+        r.release()
+    rig.assert_drained()
+
+
 # -- concurrency, idle -----------------------------------------------------------------------------
 async def test_max_concurrency_holds_whatever_the_budget() -> None:
     rig = Rig(max_concurrency=2, kv_blocks=1000)

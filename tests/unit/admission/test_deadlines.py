@@ -44,19 +44,21 @@ def test_the_engine_time_to_a_first_token_is_a_high_quantile_of_the_window() -> 
 
 
 @pytest.mark.parametrize(
-    ("client", "objective", "in_flight", "seconds", "own"),
+    ("client", "objective", "in_flight", "seconds", "own", "queued"),
     [
-        (None, None, 3, 30.0, False),  # the queue timeout
-        (60.0, None, 3, 30.0, False),  # a client more patient than the queue
-        (10.0, None, 3, 8.0, True),  # 10 s less the engine's 2 s
-        (10.0, None, 0, 10.0, True),  # an idle engine: its figure is not today's
-        (None, 5.0, 3, 3.0, True),  # the objective for everyone
-        (20.0, 5.0, 3, 3.0, True),
-        (1.5, None, 3, -0.5, True),  # the engine alone is too slow
+        (None, None, 3, 30.0, False, (30.0, False)),  # the queue timeout
+        (60.0, None, 3, 30.0, False, (30.0, False)),  # a client more patient than the queue
+        (10.0, None, 3, 8.0, True, (8.0, True)),  # 10 s less the engine's 2 s
+        (10.0, None, 0, 10.0, True, (10.0, True)),  # an idle engine: its figure is not today's
+        (None, 5.0, 3, 3.0, True, (30.0, False)),  # the objective judges arrivals; once queued, the queue timeout
+        (20.0, 5.0, 3, 3.0, True, (18.0, True)),  # ... or the client's own deadline
+        (4.0, 5.0, 3, 2.0, True, (2.0, True)),  # the client's deadline, the nearer, holds throughout
+        (1.5, None, 3, -0.5, True, (-0.5, True)),  # the engine alone is too slow
     ],
 )
 def test_the_wait_limit_is_the_earliest_deadline_less_the_engine_time(
-    client: float | None, objective: float | None, in_flight: int, seconds: float, own: bool
+    client: float | None, objective: float | None, in_flight: int, seconds: float, own: bool,
+    queued: tuple[float, bool],
 ) -> None:
     deadlines = Deadlines(30.0, objective, lambda: 0.0)
     for _ in range(MIN_SAMPLES):
@@ -67,6 +69,7 @@ def test_the_wait_limit_is_the_earliest_deadline_less_the_engine_time(
 
     limit = deadlines.limit(Asked(), in_flight)
     assert (limit.seconds, limit.own) == (pytest.approx(seconds), own)
+    assert (limit.queued.seconds, limit.queued.own) == (pytest.approx(queued[0]), queued[1])
 
 
 async def test_a_request_queued_past_its_own_deadline_gets_503_deadline() -> None:
@@ -123,6 +126,30 @@ async def test_the_forecast_refuses_at_once_a_request_that_would_miss_its_own_de
     patient.cancel()
     await asyncio.gather(patient, return_exceptions=True)
     await finish(rig, running, task)
+
+
+async def test_a_request_the_objective_queued_is_served_past_it_not_refused() -> None:
+    """The objective judges a request as it arrives; once queued it waits on (here for an engine that slowed) until
+    the queue timeout, and is admitted when room comes: a refusal after seconds of waiting helps nobody."""
+    rig = Rig(queue_timeout=30.0, ttft_objective=2.0, shed_early="off")
+    holder = await rig.req(10).__aenter__()
+    waiting = enter(rig.req(5))
+    await settle()
+    rig.clock.now += 5.0  # past the objective
+    rig.adm.tick()
+    await settle()
+    assert not waiting.done() and rig.adm.queued == 1
+    holder.release()
+    (await waiting).release()
+    holder = await rig.req(10).__aenter__()
+    blocked = enter(rig.req(5))
+    await settle()
+    rig.clock.now += 30.0  # the queue timeout still ends a wait
+    rig.adm.tick()
+    with pytest.raises(errors.QueueTimeout):
+        await blocked
+    holder.release()
+    rig.assert_drained()
 
 
 async def test_the_ttft_objective_sheds_only_what_would_miss_it() -> None:

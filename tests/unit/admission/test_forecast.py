@@ -140,6 +140,31 @@ def test_the_arriving_request_is_judged_at_the_rate_seen_within_a_share_of_its_t
     assert all(x.arriving for x in found)
 
 
+@pytest.mark.parametrize(
+    ("overdue", "due", "order", "late"),
+    [
+        pytest.param({"a"}, 10.0, "behind", ["b"], id="behind a request past its objective's time: refused"),
+        pytest.param(set(), 10.0, "behind", [], id="behind requests on time: queued"),
+        pytest.param({"a"}, None, "behind", [], id="no objective judges it: queued"),
+        pytest.param({"a"}, 10.0, "ahead", [], id="placed ahead of the late one: queued"),
+    ],
+)
+def test_an_arrival_behind_a_request_its_objective_already_missed_is_refused_whatever_the_rate(
+    overdue: set[str], due: float | None, order: str, late: list[str]
+) -> None:
+    """The rate seen says 2.5 s for the new request, well within its objective; but a request queued ahead of it is
+    already past the time its objective gave it (the rate fell since): joining that queue only makes it later."""
+    forecast, clock = primed(36)  # 4 blocks/s
+    queued, arriving = Item("a", 4), Item("b", 6)
+    items = (queued, arriving) if order == "behind" else (arriving, queued)
+    found = forecast.late(
+        backlog(*items, deadline=clock.now + 300.0), 0, 3, arriving=arriving,
+        due=None if due is None else clock.now + due, overdue=lambda item: item.name in overdue,
+    )
+    assert [x.item.name for x in found] == late
+    assert all(x.behind for x in found)
+
+
 def test_the_same_request_once_queued_is_kept_at_the_margin() -> None:
     forecast, clock = primed(36)
     found = forecast.late(backlog(Item("b", 38), Item("a", 10), deadline=clock.now + 10.0), 0, 3)
