@@ -81,7 +81,7 @@ SCENARIOS: list[tuple[str, Callable[[], dict[str, httpx.Response]], str, str, st
      "warning", "--kv-blocks"),
     ("V0 engine", lambda: {**vllm_routes(), "/version": httpx.Response(200, json={"version": "0.8.5"})},
      "version", "warning", "Upgrade vLLM"),
-    ("preemptions seen", lambda: vllm_routes(preemptions=9.0), "config", "warning", "--max-num-seqs"),
+    ("preemptions seen", lambda: vllm_routes(preemptions=9.0), "config", "warning", "--engine-watermark 0.05"),
     ("not vLLM", lambda: {**vllm_routes(), "/version": httpx.Response(200, text="<html>")}, "version", "info",
      ""),
     ("no model served", lambda: {**vllm_routes(), "/v1/models": httpx.Response(200, json={"data": []})},
