@@ -2,14 +2,13 @@
 
 A request's *need* is the most KV blocks admitting it adds: its sequences' own blocks (``n x`` prompt and
 ``max_tokens``, less the shareable prompt blocks) plus the shareable prompt blocks no request in flight holds
-(``books``, ``sharing``; without prefix sharing, ``n x ceil((prompt + max_tokens) / block_size)``). The budget is
-``B = floor(kv_target x capacity_blocks)``; ``committed`` is what the books hold.
+(``books``, ``sharing``). The budget is ``B = floor(kv_target x capacity_blocks)``; ``committed``: the books' total.
 
-Whether one more request fits is the policy's (``policy``: ``strict`` books every request at its full size,
-so the engine never runs short of blocks for the gateway's requests; ``adaptive`` also admits on the projection of
-the live usage). The queue is re-examined on every release, snapshot and resume.
-With several engines (``placement``: servers, data-parallel ranks) each has its own budget, books and policy, and
-the queue is one: a request waits only while no engine can take it, and goes to the first that can.
+Whether one more request fits is the policy's (``policy``: ``strict`` books every request at its full size, so the
+engine never runs short of blocks for the gateway's requests; ``adaptive`` also admits on the projection of the live
+usage). The queue is re-examined on every release, snapshot and resume. With several engines (``placement``: servers,
+data-parallel ranks) each has its own budget, books, policy; the queue is one: a request waits only while no engine can
+take it, and goes to the first that can.
 """
 
 from __future__ import annotations
@@ -223,8 +222,8 @@ class Admission:
             raise refusals.deadline_now(limit, self._drain.retry_after(len(self._queue), now))
         r.enqueue()
         self._headroom.arrive(r)
-        # The least-work order (``order``) places a request among others waiting: one that arrives at an empty
-        # queue is shifted only if it does wait (most are admitted at once, and the shift was a third of this).
+        # The least-work order (``order``) places a request among others waiting; one arriving at an empty queue
+        # is shifted only if it waits (most are admitted at once, and the shift was a third of this).
         adaptive = self._settings.admission_policy == "adaptive"  # strict keeps arrival order
         alone = not self._queue
         shift = order.queue_shift(r, self._sites, self._block_size, limit.seconds) if adaptive and not alone else 0.0
@@ -242,8 +241,7 @@ class Admission:
         try:
             await r.wait()
         except asyncio.CancelledError:
-            # Still queued: withdrawn. Admitted in the same instant the waiter was cancelled: nobody will use
-            # the blocks, so they go back at once.
+            # Still queued: withdrawn. Admitted as the waiter was cancelled: the unused blocks go back at once.
             self.leave(r)
             raise
 
@@ -282,9 +280,8 @@ class Admission:
         self._capacity()  # first: a rebase moves every need
         if arriving is None or self._moved:
             # Only an arrival's pass keeps the projection of the pass before it: an arrival moves nothing it reads
-            # (releases, snapshots, resumes and rebases come with passes of their own), and at twice capacity the
-            # projections of arrivals' passes took a tenth of the gateway's loop. The requests' progress since is
-            # the one thing it misses, until the next release or snapshot.
+            # (releases, snapshots, resumes, rebases have passes of their own); at twice capacity the projections
+            # of arrivals' passes took a tenth of the loop. It misses the progress since, until the next pass.
             for site in self._sites:
                 site.policy.begin_pass()
             self._moved = False
@@ -306,8 +303,7 @@ class Admission:
             if largest is not None and self._queue:  # refused now rather than at the deadline: forecast to wait
                 free = self._sites.budget_total() - self.committed
                 backlog, span = self._queue.backlog(), refusals.span_of(self._settings.queue_timeout)
-                now = self._clock()
-                overdue = partial(_overdue, now=now)
+                overdue = partial(Reservation.overdue, now=self._clock())
                 for late in self._forecast.late(backlog, free, len(self._in_flight), span, arriving, due, overdue):
                     self._fail(late.item, refusals.expected_late(late, self._settings.queue_timeout))
         self._deadlines.sustained.queue(bool(self._queue), self._clock())
@@ -402,8 +398,3 @@ class Admission:
         self._metrics.record_preemption_control(control.quantile, control.rate(new.taken_at), control.reach)
         self._pump()
         self.publish()
-
-
-def _overdue(r: Reservation, now: float) -> bool:
-    """Whether a queued request is past the time its objective gave it to be admitted by."""
-    return r.due is not None and r.due < now

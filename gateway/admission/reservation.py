@@ -111,6 +111,10 @@ class Reservation:
         self._credited: int | None = None  # generated tokens the latest fresh snapshot surely includes
 
     # -- reading ------------------------------------------------------------------------------------
+    def overdue(self, now: float) -> bool:
+        """Whether it is queued past the time an objective gave it to be admitted by."""
+        return self.due is not None and self.due < now
+
     @property
     def phase(self) -> Phase:
         return self._phase
