@@ -81,6 +81,15 @@ async def decode_body(raw: bytes, decode: Callable[[bytes], T]) -> T:
     return await run(parse_json, raw, decode)
 
 
+async def release(items: list[Any]) -> None:
+    """Empty ``items``, the caller's last use of them: in a worker for a large body. Freeing the counted tokens of a
+    million one-token prompts took ~75 ms of the loop's CPU (a /health waited behind it); a small list goes here."""
+    if inline():
+        items.clear()
+    else:
+        await asyncio.to_thread(items.clear)
+
+
 async def dumps(data: Any) -> bytes:
     """``data`` as JSON for the engine; in a worker for a large body."""
     return await run(jsonio.dumps, data)

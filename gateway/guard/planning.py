@@ -10,6 +10,7 @@ the context and book only prompt blocks, one sequence per prompt.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from gateway.admission.controller import Admission
 from gateway.config import PromptOverflowPolicy, Settings
@@ -33,23 +34,39 @@ async def plan_generation(
     s = parts.settings
     tokens = await count(parts, req)
     tokens = await apply_prompt_policy(parts, req, tokens, limits, policy, out)
-    counts = await offload.run(lambda: [t.count for t in tokens])  # a million for a body of one-token prompts
-    out.prompt_tokens = sum(counts)
-    decision = decide_output(req, max(counts), limits, s)
-    sequences = req.n * len(counts)
-    prompt_ids = tokens[0].ids if len(tokens) == 1 else None
+    sizes = await offload.run(PromptSizes.of, tokens)  # a million prompts for a body of one-token prompts
+    prompt_ids = tokens[0].ids if sizes.number == 1 else None
+    await offload.release(tokens)
+    out.prompt_tokens = sizes.total
+    decision = decide_output(req, sizes.longest, limits, s)
+    sequences = req.n * sizes.number
     prefix = prompt_prefix(req.route, req.body, prompt_ids)
     # Each sequence is charged for the longest prompt: an upper bound that stays tight. With prefix sharing the
     # n sequences of one known prompt hold its shareable blocks once.
     max_tokens = parts.admission.fit(
-        max(counts), decision.max_tokens, sequences, clamp=s.on_max_tokens_overflow == "clamp",
+        sizes.longest, decision.max_tokens, sequences, clamp=s.on_max_tokens_overflow == "clamp",
         prefix_known=prefix is not None,
     )
     parts.metrics.record_max_tokens(req.route, max_tokens, decision.clamped or max_tokens != decision.max_tokens)
     set_max_tokens(req, max_tokens)
     out.max_tokens = max_tokens
-    return Booking(max(counts), max_tokens, sequences, stream=req.stream, prompt_ids=prompt_ids, prefix=prefix,
+    return Booking(sizes.longest, max_tokens, sequences, stream=req.stream, prompt_ids=prompt_ids, prefix=prefix,
                    min_output=sure_output(req, max_tokens))
+
+
+@dataclass(frozen=True)
+class PromptSizes:
+    """What planning needs of a request's prompts: one pass over them (a million for a body of one-token prompts,
+    ~50 ms of CPU: done in a worker for a large body, not three times on the loop)."""
+
+    total: int
+    longest: int
+    number: int
+
+    @classmethod
+    def of(cls, tokens: list[PromptTokens]) -> PromptSizes:
+        counts = [t.count for t in tokens]
+        return cls(sum(counts), max(counts), len(counts))
 
 
 def sure_output(req: GuardedRequest, max_tokens: int) -> int:
@@ -113,9 +130,11 @@ async def apply_prompt_policy(
 def _decide_prompts(
     tokens: list[PromptTokens], limits: Limits, policy: PromptOverflowPolicy, max_tokens: int | None, subject: str
 ) -> tuple[list[PromptDecision], bool]:
-    """Each prompt's decision, and whether all of them fit."""
+    """Each prompt's decision where one does not fit (none when all fit: a million of them are freed here, in the
+    worker, not on the loop), and whether all of them fit."""
     decisions = [decide_prompt(t.count, limits, policy, max_tokens, subject) for t in tokens]
-    return decisions, all(d.fits for d in decisions)
+    fit = all(d.fits for d in decisions)
+    return ([] if fit else decisions), fit
 
 
 async def _truncate_prompts(
