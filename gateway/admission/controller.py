@@ -306,7 +306,7 @@ class Admission:
                 overdue = partial(Reservation.overdue, now=self._clock())
                 for late in self._forecast.late(backlog, free, len(self._in_flight), span, arriving, due, overdue):
                     self._fail(late.item, refusals.expected_late(late, self._settings.queue_timeout))
-        self._deadlines.sustained.queue(bool(self._queue), self._clock())
+        self._deadlines.queue(bool(self._queue), self._clock())
         self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)
         self._gauges.publish_load(self._sites, self._queue.depth)
 
@@ -338,7 +338,7 @@ class Admission:
         self._metrics.record_admission("queued" if r.waited else "immediate", waited)
 
     def _dequeue(self, r: Reservation) -> None:
-        self._deadlines.left_queue(self._clock() - self._queue.enqueued_at(r), r.wait_limit)  # admitted or not
+        self._deadlines.left_queue(r, self._clock() - self._queue.enqueued_at(r), r.wait_limit)  # admitted or not
         self._queue.remove(r)
         self._headroom.dequeued(r)
         self._timer.stop_if_empty()

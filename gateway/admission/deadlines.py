@@ -129,6 +129,8 @@ class Deadlines:
         """How long ``r`` may wait; ``oldest_wait``: how long the first of those queued before it has waited."""
         limit = self._limit(r, in_flight)
         backlogged = oldest_wait > self.sustained.wait(self.unhurried())
+        if backlogged and limit.seconds > 0:  # queued (refused at once otherwise)
+            self.sustained.arrived_into_backlog(r, self._clock())
         then = replace(limit.then, backlogged=backlogged) if limit.then is not None else None
         return replace(limit, backlogged=backlogged, then=then)
 
@@ -160,10 +162,14 @@ class Deadlines:
         """The engine's time to a first token when not overloaded (0 before any was seen)."""
         return self.first_tokens.unqueued() or 0.0
 
-    def left_queue(self, waited: float, limit: WaitLimit | None) -> None:
-        """A request left the queue, admitted or at its deadline, after ``waited`` seconds (``limit``: the one
-        it was queued with)."""
-        self.sustained.left_queue(waited, self.unhurried(), backlogged=limit is not None and limit.backlogged)
+    def left_queue(self, r: Deadlined, waited: float, limit: WaitLimit | None) -> None:
+        """``r`` left the queue, admitted or at its deadline, after ``waited`` seconds (``limit``: the one it was
+        queued with)."""
+        self.sustained.left_queue(r, waited, self.unhurried(), backlogged=limit is not None and limit.backlogged)
+
+    def queue(self, waiting: bool, now: float) -> None:
+        """Whether requests wait in the queue, as of ``now`` (after every pass over it)."""
+        self.sustained.queue(waiting, now, self.unhurried())
 
     def compute_room(self, in_flight: int) -> bool:
         """Whether the engine's steps leave room for more work within the objective: its time to a first token

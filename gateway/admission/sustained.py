@@ -11,8 +11,8 @@ the engine fed; the rest is refused at once, while a retry elsewhere can still h
 
 The two look alike at first (a queue that builds); they part once requests keep arriving into a queue that has
 held requests a while: the overload is **sustained** once a request that *arrived into a backlog* (one queued
-before it had waited past the derived wait, below) leaves the queue (admitted, refused or withdrawn) having
-waited past that wait itself, and stays so until the queue has stayed empty for ``CALM_SECONDS`` (a queue that
+before it had waited past the derived wait, below) has waited past that wait itself, in the queue or on leaving
+it (admitted, refused or withdrawn), and stays so until the queue has stayed empty for ``CALM_SECONDS`` (a queue that
 empties at each release and fills again at the next arrival is still the same overload). A burst that arrives at
 once is queued whole before that happens, and so are its stragglers: vLLM's benchmark client sent 2 of a burst of
 16 long requests 3.5 s after the others, just after the first were admitted having waited 3.5 s, and the rule
@@ -57,6 +57,8 @@ class SustainedOverload:
         self.enabled = enabled
         self.sustained = False
         self._empty_since: float | None = None  # when the queue last became empty; None while requests wait
+        # Requests now waiting that arrived into a backlog, with when each arrived (in arrival order).
+        self._backlogged: dict[object, float] = {}
 
     @staticmethod
     def wait(unhurried: float) -> float:
@@ -74,15 +76,26 @@ class SustainedOverload:
             self.sustained = False
         return self.enabled and self.sustained
 
-    def left_queue(self, waited: float, unhurried: float, backlogged: bool) -> None:
-        """A request left the queue (admitted, refused or withdrawn) after waiting ``waited`` seconds;
+    def arrived_into_backlog(self, key: object, now: float) -> None:
+        """The request ``key`` was queued at ``now`` while one queued before it had waited past the wait already."""
+        if self.enabled:
+            self._backlogged[key] = now
+
+    def left_queue(self, key: object, waited: float, unhurried: float, backlogged: bool) -> None:
+        """The request ``key`` left the queue (admitted, refused or withdrawn) after waiting ``waited`` seconds;
         ``backlogged``: it arrived while one queued before it had waited past the wait already."""
+        self._backlogged.pop(key, None)
         if self.enabled and backlogged and waited > self.wait(unhurried):
             self.sustained = True
 
-    def queue(self, waiting: bool, now: float) -> None:
-        """Whether requests wait in the queue, as of ``now`` (after every pass over it)."""
+    def queue(self, waiting: bool, now: float, unhurried: float) -> None:
+        """Whether requests wait in the queue, as of ``now`` (after every pass over it). A request that arrived
+        into a backlog and has been waiting past the wait makes the overload sustained then, not when it leaves:
+        at twice the engine's capacity the first of them left 12-13 s into a surge, the queue growing meanwhile."""
         if waiting:
             self._empty_since = None
+            first = next(iter(self._backlogged.values()), None)
+            if first is not None and now - first > self.wait(unhurried):
+                self.sustained = True
         elif self._empty_since is None:
             self._empty_since = now

@@ -1,5 +1,5 @@
 """--ttft-objective auto, the default: a burst that arrives at once is queued whole and served however long the
-engine takes; once a request leaves the queue having waited longer than the derived wait (the overload is
+engine takes; once a request that arrived into a backlog has waited longer than the derived wait (the overload is
 sustained), an arriving request may wait only the engine's unhurried time to a first token (at least a second), and
 one forecast to miss that is refused at once with 503 deadline; the queue emptying ends it. ``SECONDS`` holds for
 every request at all times, ``off`` never derives one."""
@@ -45,12 +45,34 @@ def test_an_overload_is_sustained_once_a_request_that_arrived_into_a_backlog_wai
     enabled: bool, waits: list[tuple[float, bool]], empty_for: float | None, sustained: bool
 ) -> None:
     overload = SustainedOverload(enabled)
-    overload.queue(True, 0.0)
-    for waited, backlogged in waits:
-        overload.left_queue(waited, unhurried=0.0, backlogged=backlogged)
+    overload.queue(True, 0.0, unhurried=0.0)
+    for i, (waited, backlogged) in enumerate(waits):
+        overload.left_queue(i, waited, unhurried=0.0, backlogged=backlogged)
     if empty_for is not None:
-        overload.queue(False, 10.0)
+        overload.queue(False, 10.0, unhurried=0.0)
     assert overload.applies(10.0 + (empty_for or 0.0)) is sustained
+
+
+@pytest.mark.parametrize(("enabled", "arrived", "left", "now", "unhurried", "sustained"), [
+    pytest.param(True, [0.0], [], 1.2, 0.0, True, id="still waiting past the wait: sustained before it leaves"),
+    pytest.param(True, [0.0], [], 0.8, 0.0, False, id="still within the wait"),
+    pytest.param(True, [0.0, 0.5], [0], 1.2, 0.0, False, id="the first left in time, the next within the wait"),
+    pytest.param(True, [0.0, 0.5], [0], 1.6, 0.0, True, id="the next one waited past it"),
+    pytest.param(True, [0.0], [], 1.8, 2.0, False, id="a slow engine's own longer wait"),
+    pytest.param(False, [0.0], [], 60.0, 0.0, False, id="off or SECONDS: never derived"),
+])
+def test_an_overload_is_sustained_as_soon_as_a_request_that_arrived_into_a_backlog_has_waited_past_the_wait(
+    enabled: bool, arrived: list[float], left: list[int], now: float, unhurried: float, sustained: bool
+) -> None:
+    # At twice the engine's capacity the first such request left the queue 12-13 s into a surge; meanwhile the
+    # queue grew, every request in it to be served late.
+    overload = SustainedOverload(enabled)
+    for key, at in enumerate(arrived):
+        overload.arrived_into_backlog(key, at)
+    for key in left:
+        overload.left_queue(key, 0.5, unhurried, backlogged=True)
+    overload.queue(True, now, unhurried)
+    assert overload.applies(now) is sustained
 
 
 @pytest.mark.parametrize(("objective", "sustained", "client", "unhurried", "engine", "seconds", "own", "derived"), [
