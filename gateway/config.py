@@ -17,6 +17,7 @@ from gateway.config_http import HttpFields
 from gateway.config_managed import MANAGED_HANG_TIMEOUT, ManagedFields
 from gateway.config_observe import ObserveFields
 from gateway.redact import redact_url, url_has_credentials
+from gateway.vllm_args import arg_value
 
 ENV_PREFIX = "VLLM_GUARD_"
 _BOOL = TypeAdapter(bool)
@@ -196,12 +197,7 @@ class Settings(BaseSettings, AdmissionFields, HttpFields, ManagedFields, Observe
         in managed mode vLLM's own ``--watermark`` among its arguments (its last value, as vLLM reads it)."""
         if self.engine_watermark is not None:
             return self.engine_watermark
-        value: str | None = None
-        args = self.vllm_args if self.managed else []
-        for i, a in enumerate(args):
-            key, eq, val = a.partition("=")
-            if key == "--watermark":
-                value = val if eq else (args[i + 1] if i + 1 < len(args) else None)
+        value = arg_value(self.vllm_args, "--watermark") if self.managed else None
         try:
             fraction = float(value) if value is not None else 0.0
         except ValueError:

@@ -10,7 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.engine.vllm_api.defaults import default_block_size
-from gateway.managed.command import arg_value
 from gateway.managed.logfacts import (
     CudaOutOfMemory,
     InsufficientFreeMemory,
@@ -19,6 +18,7 @@ from gateway.managed.logfacts import (
     StartupFailure,
     describe_failure,
 )
+from gateway.vllm_args import arg_value
 
 DEFAULT_GPU_UTILIZATION = 0.9
 MAX_GPU_UTILIZATION = 0.95

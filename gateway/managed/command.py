@@ -10,40 +10,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from gateway.config import Settings
+from gateway.vllm_args import arg_value, with_arg
 
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 _PYTHON = re.compile(r"python[\d.]*$")
-
-
-def arg_value(args: Sequence[str], name: str) -> str | None:
-    """The last value of ``--name`` (vLLM also accepts ``--name=v`` and underscores), else None."""
-    wanted = {name, name.replace("-", "_").replace("__", "--")}
-    value: str | None = None
-    for i, a in enumerate(args):
-        key, eq, val = a.partition("=")
-        if key in wanted:
-            if eq:
-                value = val
-            elif i + 1 < len(args):
-                value = args[i + 1]
-    return value
-
-
-def with_arg(args: Sequence[str], name: str, value: str) -> list[str]:
-    """``args`` with every ``--name`` removed and ``--name value`` appended."""
-    wanted = {name, name.replace("-", "_").replace("__", "--")}
-    out: list[str] = []
-    skip = False
-    for a in args:
-        if skip:
-            skip = False
-            continue
-        key, eq, _ = a.partition("=")
-        if key in wanted:
-            skip = not eq
-            continue
-        out.append(a)
-    return [*out, name, value]
 
 
 def base_command(settings: Settings, vllm_script: str | None) -> list[str]:

@@ -20,7 +20,7 @@ from gateway.errors import UpstreamUnavailable
 from gateway.managed import guardian
 from gateway.managed.autofit import fewer_seqs, next_fit
 from gateway.managed.child import EngineChild, launch_child, stop_child
-from gateway.managed.command import arg_value, base_command, engine_args, free_port, redact
+from gateway.managed.command import base_command, engine_args, free_port, redact
 from gateway.managed.lifecycle import EngineLifecycle, EngineStatus, Phase
 from gateway.managed.logfacts import CudaOutOfMemory, EngineDead, InsufficientFreeMemory, LogEvent, describe_failure
 from gateway.managed.niceness import renice_engine_cores
@@ -30,6 +30,7 @@ from gateway.managed.tasks import OwnedTasks
 from gateway.managed.watchdog import Trouble, Watchdog
 from gateway.metrics import Metrics
 from gateway.redact import SecretRedactor
+from gateway.vllm_args import arg_value
 
 log = logging.getLogger(__name__)
 

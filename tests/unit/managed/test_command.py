@@ -1,4 +1,4 @@
-"""vLLM's command line: every spelling of a flag is read, the gateway's flags are added, keys are hidden."""
+"""vLLM's command line: the gateway's flags are added, keys are hidden."""
 
 from __future__ import annotations
 
@@ -7,30 +7,7 @@ import sys
 import pytest
 
 from gateway.config import Settings
-from gateway.managed.command import arg_value, base_command, engine_args, redact, with_arg
-
-
-@pytest.mark.parametrize(
-    ("args", "name", "value"),
-    [
-        (["--max-model-len", "4096"], "--max-model-len", "4096"),
-        (["--max-model-len=4096"], "--max-model-len", "4096"),
-        (["--max_model_len", "4096"], "--max-model-len", "4096"),
-        (["--max-model-len", "1", "--max-model-len", "2"], "--max-model-len", "2"),
-        (["--dtype", "float32"], "--max-model-len", None),
-        (["--max-model-len"], "--max-model-len", None),
-    ],
-)
-def test_arg_value_reads_every_spelling_vllm_accepts(args: list[str], name: str, value: str | None) -> None:
-    assert arg_value(args, name) == value
-
-
-@pytest.mark.parametrize(
-    "args",
-    [["--max-model-len", "32768", "--dtype", "float32"], ["--max_model_len=32768", "--dtype", "float32"]],
-)
-def test_with_arg_replaces_the_old_value(args: list[str]) -> None:
-    assert with_arg(args, "--max-model-len", "3968") == ["--dtype", "float32", "--max-model-len", "3968"]
+from gateway.managed.command import base_command, engine_args, redact
 
 
 def test_redact_hides_api_keys() -> None:
