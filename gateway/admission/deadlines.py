@@ -169,7 +169,7 @@ class Deadlines:
 
     def queue(self, waiting: bool, now: float) -> None:
         """Whether requests wait in the queue, as of ``now`` (after every pass over it)."""
-        self.sustained.queue(waiting, now, self.unhurried())
+        self.sustained.queue(waiting, now, self.unhurried)
 
     def compute_room(self, in_flight: int) -> bool:
         """Whether the engine's steps leave room for more work within the objective: its time to a first token

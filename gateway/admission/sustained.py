@@ -45,6 +45,8 @@ for every request at all times; ``off`` leaves only ``--queue-timeout`` and the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 MIN_WAIT_SECONDS = 1.0
 ENGINE_MULTIPLE = 1.0  # of the engine's unhurried time to a first token, that a request may wait
 CALM_SECONDS = 1.0  # of an empty queue, that end a sustained overload
@@ -88,14 +90,15 @@ class SustainedOverload:
         if self.enabled and backlogged and waited > self.wait(unhurried):
             self.sustained = True
 
-    def queue(self, waiting: bool, now: float, unhurried: float) -> None:
+    def queue(self, waiting: bool, now: float, unhurried: Callable[[], float]) -> None:
         """Whether requests wait in the queue, as of ``now`` (after every pass over it). A request that arrived
         into a backlog and has been waiting past the wait makes the overload sustained then, not when it leaves:
-        at twice the engine's capacity the first of them left 12-13 s into a surge, the queue growing meanwhile."""
+        at twice the engine's capacity the first of them left 12-13 s into a surge, the queue growing meanwhile.
+        ``unhurried`` (a quantile: a sort) is asked only while such a request waits, not on every pass."""
         if waiting:
             self._empty_since = None
             first = next(iter(self._backlogged.values()), None)
-            if first is not None and now - first > self.wait(unhurried):
+            if first is not None and now - first > self.wait(unhurried()):
                 self.sustained = True
         elif self._empty_since is None:
             self._empty_since = now

@@ -45,11 +45,11 @@ def test_an_overload_is_sustained_once_a_request_that_arrived_into_a_backlog_wai
     enabled: bool, waits: list[tuple[float, bool]], empty_for: float | None, sustained: bool
 ) -> None:
     overload = SustainedOverload(enabled)
-    overload.queue(True, 0.0, unhurried=0.0)
+    overload.queue(True, 0.0, unhurried=lambda: 0.0)
     for i, (waited, backlogged) in enumerate(waits):
         overload.left_queue(i, waited, unhurried=0.0, backlogged=backlogged)
     if empty_for is not None:
-        overload.queue(False, 10.0, unhurried=0.0)
+        overload.queue(False, 10.0, unhurried=lambda: 0.0)
     assert overload.applies(10.0 + (empty_for or 0.0)) is sustained
 
 
@@ -71,7 +71,7 @@ def test_an_overload_is_sustained_as_soon_as_a_request_that_arrived_into_a_backl
         overload.arrived_into_backlog(key, at)
     for key in left:
         overload.left_queue(key, 0.5, unhurried, backlogged=True)
-    overload.queue(True, now, unhurried)
+    overload.queue(True, now, lambda: unhurried)
     assert overload.applies(now) is sustained
 
 
