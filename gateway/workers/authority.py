@@ -36,6 +36,7 @@ from gateway.observe.access_log import AccessRecord
 from gateway.tenants import Grant
 from gateway.workers.channel import Channel, Message
 from gateway.workers.messages import error_to_json, prefix_from_json
+from gateway.workers.metrics_merge import SNAPSHOT_EVERY, WorkerCounts
 from gateway.workers.mirror import state_of
 
 log = logging.getLogger(__name__)
@@ -184,6 +185,7 @@ class WorkerLink:
         self.serving = True
 
     def _metrics_reply(self, msg: Message) -> None:
+        self.authority.counts.seen(self, msg.get("families", []))
         waiter = self._metrics.pop(int(msg["ask"]), None)
         if waiter is not None and not waiter.done():
             waiter.set_result(msg.get("families", []))
@@ -201,6 +203,7 @@ class WorkerLink:
     def _on_lost(self) -> None:
         """The worker is gone: what it held goes back (not completed), its tenants are settled."""
         self.authority.links.discard(self)
+        self.authority.counts.lost(self)  # its counters stay in /metrics: they never go backwards
         for held in list(self.requests.values()):
             if held.attempt.task is not None:
                 held.attempt.task.cancel()
@@ -246,6 +249,7 @@ class Authority:
         self._server: asyncio.AbstractServer | None = None
         self._pushing: asyncio.Task[None] | None = None
         self._state: dict[str, Any] | None = None
+        self.counts = WorkerCounts()  # each worker's newest metrics, and the dead workers' counters
 
     async def start(self) -> None:
         for engine in self.parts.every_engine():
@@ -262,8 +266,12 @@ class Authority:
         return link.channel
 
     async def _push_state(self) -> None:
-        while True:
+        every = round(SNAPSHOT_EVERY / STATE_EVERY)
+        for tick in itertools.count():
             self.push_now()
+            if tick % every == 0:  # each worker's counts, kept should it die between two scrapes
+                for link in list(self.links):
+                    link.channel.send({"type": "metrics", "ask": 0})
             await asyncio.sleep(STATE_EVERY)
 
     def push_now(self) -> None:
@@ -283,11 +291,10 @@ class Authority:
         return sum(1 for link in self.links if link.serving)
 
     async def worker_metrics(self, timeout: float = 2.0) -> list[Any]:
-        """Every connected worker's metric families (``metrics_merge.families``)."""
-        replies = await asyncio.gather(
-            *(link.metrics(timeout) for link in list(self.links)), return_exceptions=True
-        )
-        return [r for r in replies if not isinstance(r, BaseException)]
+        """Every worker's metric families (``metrics_merge.families_of``) as of now, the dead ones' counters too;
+        a worker that does not answer within ``timeout`` at its newest snapshot."""
+        await asyncio.gather(*(link.metrics(timeout) for link in list(self.links)), return_exceptions=True)
+        return self.counts.families()
 
     async def close(self) -> None:
         if self._pushing is not None:
