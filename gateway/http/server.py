@@ -9,7 +9,9 @@ connection and at no per-request cost beyond a few attribute updates:
   from a request's first byte to the end of its headers (408), bounds on the header bytes and count (431); a
   deadline that passes while the client's bytes wait unread (the loop ran late) is judged once they are read;
 - a ``Content-Length`` above ``--max-body-bytes``, absurd ones included, refused before the app runs (413),
-  and a cap on open connections (503 with ``Retry-After``);
+  and a cap on clients' open connections (503 with ``Retry-After``); with ``--workers``, the workers' connections
+  to the authority's private app socket (their forwarded ``/health``, ``/metrics``, models listing) are not
+  clients': they never count against it, nor are refused;
 - every refusal in OpenAI's JSON shape with ``connection: close``, then a lingering close so that a client
   still sending reads the answer instead of a reset (``_linger``);
 - a request answered before its body was whole (401, 404) keeps its connection: the rest of the body is read
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any, ClassVar, NoReturn
 
@@ -78,13 +81,18 @@ class GuardProtocol(HttpToolsProtocol):
 
     limits: ClassVar[ConnectionLimits]
     _body_first: ClassVar[float]  # limits.body.due(0): seconds before a body that has not begun is late
+    # Connections open on the private app socket (a Unix socket; the gateway's port is TCP). uvicorn keeps one set
+    # of connections per server, every socket's; each server has its own class (``serving.protocol_class``), so
+    # this count is the server's. The client cap counts the rest: with the authority holding its share of clients,
+    # a worker's forwarded ``/health`` was refused (503), or written to a connection closed under it (500).
+    _private_open: ClassVar[int] = 0
 
     # Slots keep the instance dict at uvicorn's own attributes: past 30 keys CPython stops sharing its keys,
     # and every attribute access of the protocol, uvicorn's included, got slower (measured: +5 us a request).
     __slots__ = (
         "_begin_read_len", "_body_raw", "_body_start", "_content_length", "_deadline", "_deferred", "_head_raw",
-        "_late_read", "_messages", "_on_lost", "_phase", "_read_len", "_refusal", "_stall", "_timer", "_timer_at",
-        "_uploading",
+        "_late_read", "_messages", "_on_lost", "_phase", "_private", "_read_len", "_refusal", "_stall", "_timer",
+        "_timer_at", "_uploading",
     )
 
     def __init__(
@@ -112,6 +120,7 @@ class GuardProtocol(HttpToolsProtocol):
         self._late_read = False  # the current head's or body's deadline was deferred for unread bytes (once)
         self._stall = WriteStall(self.loop, self.limits.write_timeout)
         self._on_lost: Callable[[], None] | None = None  # a stream's to call when the client goes away
+        self._private = False  # on the private app socket: a worker's, not a client's
 
     # -- the one timer ----------------------------------------------------------------------------
     def _arm(self, phase: int, deadline: float) -> None:
@@ -161,8 +170,13 @@ class GuardProtocol(HttpToolsProtocol):
     # -- connection events ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(LingeringTransport(transport, self._closing))  # type: ignore[arg-type]
+        sock = transport.get_extra_info("socket")
+        cls = type(self)
+        if sock is not None and sock.family == socket.AF_UNIX:
+            self._private = True
+            cls._private_open += 1
         limit = self.limits.max_connections
-        if len(self.connections) > limit:
+        if not self._private and len(self.connections) - cls._private_open > limit:
             self._refuse(TooManyConnections(
                 f"The gateway has its limit of {limit} connections open; retry shortly.", retry_after=1
             ))
@@ -171,6 +185,9 @@ class GuardProtocol(HttpToolsProtocol):
         self._arm(_IDLE, self.loop.time() + min(self.limits.keep_alive_timeout, self.limits.header_timeout))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._private:
+            self._private = False
+            type(self)._private_open -= 1
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

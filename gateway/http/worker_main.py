@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from gateway.config import Settings
 from gateway.engine.client import Upstream
-from gateway.errors import GatewayError, PayloadTooLarge
+from gateway.errors import GatewayError, PayloadTooLarge, UpstreamUnavailable
 from gateway.http.app import GuardedFastPath
 from gateway.http.errors import error_response
 from gateway.http.routes import RouteTable
@@ -67,6 +67,12 @@ class ToAuthority:
                                                headers=headers)
         except GatewayError as exc:
             await error_response(exc)(scope, receive, send)
+            return
+        except (OSError, RuntimeError):  # the private socket broke under the request: the authority's, not a 500
+            log.exception("forwarding %s to the authority failed", scope["path"])
+            await error_response(UpstreamUnavailable(
+                "This gateway worker could not reach its admission authority; retry shortly.", retry_after=1
+            ))(scope, receive, send)
             return
         try:
             out = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in stream.headers.items()
