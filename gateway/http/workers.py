@@ -8,17 +8,25 @@ that is not a guarded one (``/metrics``, ``/health``, ``/guard/*``, the models l
 routes): those answer from the authority's view, as one process would. The authority starts the workers once its
 parts are up, restarts one that dies (its requests were released when its channel closed), and stops them on
 shutdown after their requests in flight end (uvicorn's graceful shutdown in each).
+
+The private folder is removed on the way out; an authority killed outright (``kill -9``, the OOM killer) leaves
+it behind, so every start first removes the folders of this user whose authority is gone (``remove_stale``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import shutil
 import signal
+import socket
+import stat
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +35,10 @@ from gateway.config import Settings
 log = logging.getLogger(__name__)
 
 RESTART_BACKOFF = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before restarting a worker that died, again and again
+PREFIX = "vllm-guard-"  # the private folders: PREFIX, the authority's pid, "-", mkdtemp's random part
+# A folder without a pid in its name (made before the pid was put there) is left alone this long after its last
+# change: its authority may be between making it and binding its socket.
+UNNAMED_GRACE = 60.0
 
 
 @dataclass(frozen=True)
@@ -46,14 +58,72 @@ class WorkerPlan:
 
     @classmethod
     def for_settings(cls, settings: Settings) -> WorkerPlan | None:
+        remove_stale(Path(tempfile.gettempdir()))  # a single process too: it may follow a gateway killed outright
         count = settings.worker_count()
         if count <= 1:
             return None
-        # Only this user may connect: the channel admits requests, the app answers admin routes to anyone on it.
-        return cls(count, Path(tempfile.mkdtemp(prefix="vllm-guard-")))
+        # Only this user may connect (mkdtemp: mode 0700): the channel admits requests, the app answers admin
+        # routes to anyone on it. The pid in the name tells a later start whether the folder's authority lives.
+        return cls(count, Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")))
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def remove_stale(root: Path) -> list[Path]:
+    """Remove the private folders under ``root`` that an authority killed outright left behind: this user's only,
+    whose authority's process is gone and on whose app socket nothing listens. A live gateway's folder is kept
+    (its pid is alive, or its socket answers: a gateway in another pid namespace sharing ``/tmp``). The folders
+    removed are returned."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            if entry.name.startswith(PREFIX) and _stale(Path(entry.path)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(Path(entry.path))
+    if removed:
+        log.info("removed %d private folder(s) of gateways that are gone: %s", len(removed),
+                 ", ".join(str(path) for path in removed))
+    return removed
+
+
+def _stale(folder: Path) -> bool:
+    try:
+        info = folder.lstat()
+    except OSError:
+        return False
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        return False  # another user's, or not a folder (a link to one): never ours to remove
+    pid = _pid_of(folder.name)
+    gone = not _alive(pid) if pid is not None else time.time() - info.st_mtime > UNNAMED_GRACE
+    return gone and not _listening(folder / "app.sock")
+
+
+def _pid_of(name: str) -> int | None:
+    head, _, rest = name.removeprefix(PREFIX).partition("-")
+    return int(head) if rest and head.isdigit() else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process took the pid: alive, so the folder stays
+    return True
+
+
+def _listening(path: Path) -> bool:
+    """Whether a server accepts connections on the Unix socket ``path`` (connecting to a live authority's app
+    socket is harmless: a connection that sends nothing and closes)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect(str(path))
+        except OSError as exc:
+            return exc.errno not in (errno.ECONNREFUSED, errno.ENOENT, errno.ENOTSOCK)
+        return True
 
 
 class WorkerPool:

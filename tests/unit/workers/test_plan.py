@@ -1,0 +1,136 @@
+"""The private folder of ``--workers``: named after its authority's pid, and the folders that authorities killed
+outright left behind removed at the next start, never a live gateway's nor another user's."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.config import Settings
+from gateway.http import workers
+from gateway.http.workers import UNNAMED_GRACE, WorkerPlan, remove_stale
+
+
+@pytest.fixture
+def gone_pid() -> int:
+    """The pid of a process that has exited."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def listeners() -> Iterator[list[socket.socket]]:
+    held: list[socket.socket] = []
+    yield held
+    for sock in held:
+        sock.close()
+
+
+def folder(root: Path, name: str, *, socket_file: bool = True) -> Path:
+    path = root / name
+    path.mkdir(mode=0o700)
+    if socket_file:  # a socket bound and closed: its file stays, nothing listens
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(path / "app.sock"))
+    return path
+
+
+def test_a_start_removes_the_folder_an_authority_killed_outright_left_behind(
+    tmp_path: Path, gone_pid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    left = folder(tmp_path, f"vllm-guard-{gone_pid}-k2j_x9aa")
+    plan = WorkerPlan.for_settings(Settings(workers="2"))
+    assert plan is not None
+    try:
+        assert not left.exists()
+        assert plan.folder.parent == tmp_path and plan.folder.name.startswith(f"vllm-guard-{os.getpid()}-")
+        assert plan.folder.stat().st_mode & 0o777 == 0o700
+    finally:
+        plan.remove()
+
+
+def test_a_single_process_start_removes_them_too(
+    tmp_path: Path, gone_pid: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    left = folder(tmp_path, f"vllm-guard-{gone_pid}-abc")
+    assert WorkerPlan.for_settings(Settings()) is None
+    assert not left.exists()
+
+
+def _live(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    return folder(root, f"vllm-guard-{os.getpid()}-abc")
+
+
+def _listening(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    """Its pid is gone here, yet its socket answers (an authority in another pid namespace sharing /tmp)."""
+    path = folder(root, f"vllm-guard-{pid}-abc", socket_file=False)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(path / "app.sock"))
+    sock.listen()
+    listeners.append(sock)
+    return path
+
+
+def _unnamed_fresh(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    return folder(root, "vllm-guard-q8w_e2rt", socket_file=False)  # its authority may be about to bind
+
+
+def _a_file(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    path = root / f"vllm-guard-{pid}-abc"
+    path.write_text("not a folder")
+    return path
+
+
+def _a_link(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    target = folder(root, "elsewhere")
+    path = root / f"vllm-guard-{pid}-abc"
+    path.symlink_to(target)
+    return path
+
+
+def _other_prefix(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    return folder(root, f"vllm-guardian-{pid}-abc")
+
+
+Make = Callable[[Path, int, list[socket.socket]], Path]
+
+
+@pytest.mark.parametrize(
+    "make", [_live, _listening, _unnamed_fresh, _a_file, _a_link, _other_prefix],
+    ids=["its authority lives", "its socket answers", "no pid, just made", "a file", "a link", "another name"],
+)
+def test_what_may_still_be_in_use_or_is_not_a_gateways_folder_is_kept(
+    tmp_path: Path, gone_pid: int, listeners: list[socket.socket], make: Make
+) -> None:
+    path = make(tmp_path, gone_pid, listeners)
+    assert remove_stale(tmp_path) == []
+    assert path.exists()
+
+
+def test_an_unnamed_folder_nothing_listens_on_is_removed_once_old(tmp_path: Path) -> None:
+    path = folder(tmp_path, "vllm-guard-q8w_e2rt")
+    long_ago = time.time() - UNNAMED_GRACE - 5
+    os.utime(path, (long_ago, long_ago))
+    assert remove_stale(tmp_path) == [path]
+    assert not path.exists()
+
+
+def test_another_users_folder_is_kept(tmp_path: Path, gone_pid: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = folder(tmp_path, f"vllm-guard-{gone_pid}-abc")
+    monkeypatch.setattr(workers.os, "getuid", lambda: path.stat().st_uid + 1)
+    assert remove_stale(tmp_path) == []
+    assert path.exists()
+
+
+def test_a_root_that_cannot_be_read_removes_nothing(tmp_path: Path) -> None:
+    assert remove_stale(tmp_path / "missing") == []
