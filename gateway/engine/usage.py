@@ -14,10 +14,12 @@ have sent it, in vLLM's order:
   each choice's last chunk instead (it does not when usage follows). The fingerprint is the server's constant
   (``--fingerprint-mode``: ``vllm-<version>[-<parallelism>]-<config hash>``, a custom value, or none at all,
   vllm/entrypoints/serve/utils/fingerprint.py), computed once at start-up; every usage chunk tells it, so it
-  is learned once per engine (``Fingerprint``) and stamped as each choice ends, in the order vLLM sends them.
-  Only until it is first learned do last chunks wait for their stream's usage chunk (reordering the ends of an
-  ``n`` > 1 stream, that once); an engine that changes its fingerprint behind the same URL (an upgrade) gives its
-  next streams the previous one until a usage chunk tells the new.
+  is learned once per engine (``Fingerprint``) and stamped on each choice's end as it passes, in the order vLLM
+  sends them. An end is never held behind another choice's text: until the fingerprint is first learned, only
+  the last choice's end waits, for the usage chunk vLLM writes right behind it (no engine step between them);
+  an end while other choices still run goes at once, unstamped (the one difference from vLLM's bytes, on the
+  multi-choice streams an engine serves before its first usage chunk). An engine that changes its fingerprint
+  behind the same URL (an upgrade) gives its next streams the previous one until a usage chunk tells the new.
 
 The Responses API has no running count: its progress is one token per ``*.delta`` event (a lower bound) until
 the closing event's ``response.usage.output_tokens``. An engine that reports nothing (it ignored the options)
@@ -33,7 +35,7 @@ from typing import Any
 
 import orjson
 
-from gateway.engine.vllm_api.reading import stream_usage
+from gateway.engine.vllm_api.reading import count, stream_usage
 
 _USAGE_KEY = b',"usage":'
 _FINAL = b'"choices":[]'
@@ -45,10 +47,16 @@ _CLOSING = (b"event: response.completed\n", b"event: response.incomplete\n", b"e
 
 @dataclass(frozen=True, slots=True)
 class UsageAsk:
-    """What the client itself asked of a stream's usage: the final usage chunk, usage on every chunk."""
+    """What the client itself asked of a stream's usage: the final usage chunk, usage on every chunk; and how
+    many choices the stream carries (``n`` for each prompt), which tells when no other choice is still running."""
 
     final: bool = True
     continuous: bool = True
+    choices: int = 1
+
+    @property
+    def everything(self) -> bool:
+        return self.final and self.continuous
 
 
 # The client asked for everything the engine sends: nothing is taken out.
@@ -63,11 +71,21 @@ def ask_engine_for_usage(body: dict[str, Any]) -> tuple[dict[str, Any], UsageAsk
     asked = stream_usage(options)
     if asked is None:
         return body, EVERYTHING
-    ask = UsageAsk(final=asked[0], continuous=asked[1])
-    if ask == EVERYTHING:
+    ask = UsageAsk(final=asked[0], continuous=asked[1], choices=_choice_count(body))
+    if ask.everything:
         return body, ask  # the engine reads the client's own values as asking for everything
     sent = {**(options or {}), "include_usage": True, "continuous_usage_stats": True}
     return {**body, "stream_options": sent}, ask
+
+
+def _choice_count(body: dict[str, Any]) -> int:
+    """The choices of a stream, as vLLM numbers them: ``n`` for each prompt of a completions list (a list of
+    token ids is one prompt). The guard has checked ``n``; a value vLLM would read otherwise counts as 1."""
+    n = count(body, "n") or 1
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return n * len(prompt)
+    return n
 
 
 class Fingerprint:
@@ -93,29 +111,29 @@ class StreamUsage:
 
     ``generated``: output tokens so far, summed over the choices; ``reported``: whether the engine's final
     figure was seen (the count is exact). ``fingerprint``: the engine's, as learned from earlier streams (and
-    taught by this one's usage chunk); None: learned from this stream alone, its last chunks held for it."""
+    taught by this one's usage chunk); None: learned from this stream alone."""
 
-    __slots__ = ("_all", "_ask", "_events", "_fingerprint", "_held", "_hold", "_per_choice", "_responses", "_stamp",
-                 "generated", "reported")
+    __slots__ = ("_all", "_ask", "_choices", "_ends", "_events", "_fingerprint", "_held", "_per_choice",
+                 "_responses", "_stamps", "generated", "reported")
 
     def __init__(self, route: str, ask: UsageAsk, fingerprint: Fingerprint | None = None) -> None:
         self._ask = ask
-        self._all = ask == EVERYTHING  # nothing to take out: the events go as they came
+        self._all = ask.everything  # nothing to take out: the events go as they came
         self._responses = route == "responses"
         self._fingerprint = fingerprint
-        known = fingerprint is not None and fingerprint.known
-        # Without the usage chunk, vLLM stamps the fingerprint on each choice's last chunk: stamped as it passes
-        # when known (nothing to do when the engine stamps none), else held until the usage chunk tells it.
-        self._stamp = fingerprint.value if fingerprint is not None and known and not ask.final else None
-        self._hold = not ask.final and not known
+        # Without the usage chunk, vLLM stamps the fingerprint on each choice's last chunk (its end).
+        self._stamps = not ask.final
+        self._choices = ask.choices
+        self._ends = 0  # the choices that ended so far
         self._per_choice: dict[int, int] = {}
         self._events = 0  # the fallback's count: data events with choices
-        self._held: list[bytes] = []
+        self._held: list[bytes] = []  # ends waiting for the usage chunk right behind them
         self.generated = 0
         self.reported = False
 
     def feed(self, events: list[bytes]) -> list[bytes]:
-        """The events to relay for ``events``, in order (some held back or taken out)."""
+        """The events to relay for ``events``, in order (some taken out or, for the usage chunk that follows
+        them, the last ends held)."""
         if self._responses:
             for event in events:
                 self._responses_event(event)
@@ -127,6 +145,10 @@ class StreamUsage:
         out: list[bytes] = []
         for event in events:
             out.extend(self._chunk(event))
+        if self._held and self._ends < self._choices:
+            # Other choices still run: their next text may be an engine step away, and vLLM's stream carries
+            # these ends before it. They go now, without the fingerprint no usage chunk has told yet.
+            out.extend(self.close())
         return out
 
     def close(self) -> list[bytes]:
@@ -137,8 +159,7 @@ class StreamUsage:
     # -- chat and completions -----------------------------------------------------------------------
     def _chunk(self, event: bytes) -> list[bytes]:
         if not event.startswith(_DATA) or event.startswith(_DONE):
-            held, self._held = self._held, []
-            return [*held, event]
+            return self._after_held(event)
         at = event.rfind(_USAGE_KEY)
         if at < 0:
             if b'"usage"' in event:
@@ -146,7 +167,7 @@ class StreamUsage:
             if b'"choices":[{' in event and b'"delta":{"role"' not in event and not self._per_choice:
                 self._events += 1
                 self.generated = max(self.generated, self._events)
-            return self._maybe_hold(event)
+            return self._passing(event)
         start = at + len(_USAGE_KEY)
         end = _object_end(event, start)
         if end < 0:
@@ -163,7 +184,7 @@ class StreamUsage:
         self._running(int(match.group(1)), usage)
         if not self._ask.continuous:
             event = event[:at] + event[end:]
-        return self._maybe_hold(event)
+        return self._passing(event)
 
     def _running(self, index: int, usage: Any) -> None:
         count = usage.get("completion_tokens") if isinstance(usage, dict) else None
@@ -185,14 +206,31 @@ class StreamUsage:
                 held = [_stamped(chunk, fingerprint) for chunk in held]
         return [*held, event] if self._ask.final else held
 
-    def _maybe_hold(self, event: bytes) -> list[bytes]:
-        """A choice's last chunk (it carries a finish reason) as vLLM writes it without usage: stamped with the
-        known fingerprint, or held for the usage chunk while the fingerprint is not known."""
-        if self._stamp is not None and b'"finish_reason":"' in event and b'"system_fingerprint":' not in event:
-            return [_stamped(event, self._stamp)]
-        if self._hold and b'"finish_reason":"' in event:
-            self._held.append(event)
-            return []
+    def _passing(self, event: bytes) -> list[bytes]:
+        """A choice's chunk, cleaned: its end stamped as vLLM stamps it without usage."""
+        if self._stamps and b'"finish_reason":"' in event:
+            return self._end(event)
+        return self._after_held(event)
+
+    def _end(self, event: bytes) -> list[bytes]:
+        """A choice's last chunk: stamped with the engine's fingerprint when it is known (nothing to stamp when
+        the engine stamps none); while it is not, held for the usage chunk that tells it, which vLLM writes
+        right behind the last choice's end (``feed`` lets an end go at once while other choices still run)."""
+        self._ends += 1
+        if b'"system_fingerprint":' not in event:  # else the engine stamped it itself
+            known = self._fingerprint
+            if known is None or not known.known:
+                self._held.append(event)
+                return []
+            if known.value is not None:
+                event = _stamped(event, known.value)
+        return self._after_held(event)
+
+    def _after_held(self, event: bytes) -> list[bytes]:
+        """``event``, behind the ends still held: nothing but the usage chunk passes them."""
+        if self._held:
+            held, self._held = self._held, []
+            return [*held, event]
         return [event]
 
     def _parsed_chunk(self, event: bytes) -> list[bytes]:
@@ -200,20 +238,20 @@ class StreamUsage:
         try:
             data = orjson.loads(event[len(_DATA):])
         except orjson.JSONDecodeError:
-            return [event]
+            return self._after_held(event)
         if not isinstance(data, dict) or not isinstance(data.get("usage"), dict):
-            return self._maybe_hold(event)
+            return self._passing(event)
         choices = data.get("choices")
         if choices == []:
             return self._final(event, data["usage"])
         if not (isinstance(choices, list) and choices and isinstance(choices[0], dict)
                 and isinstance(choices[0].get("index"), int)):
-            return [event]
+            return self._after_held(event)
         self._running(choices[0]["index"], data["usage"])
         if not self._ask.continuous:
             del data["usage"]
             event = _DATA + orjson.dumps(data) + b"\n\n"
-        return self._maybe_hold(event)
+        return self._passing(event)
 
     # -- responses ----------------------------------------------------------------------------------
     def _responses_event(self, event: bytes) -> None:

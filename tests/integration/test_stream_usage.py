@@ -194,16 +194,25 @@ CHOICE_LENGTHS = (4, 30, 12)  # choice i of every request stops after this many 
 
 
 @pytest.fixture(scope="module")
-def apart(tokenizer: Any, tokenizer_dir: Path) -> Iterator[tuple[SimServer, GatewayServer]]:
-    """An engine whose choices end apart, one token a step, and a gateway in front of it."""
+def apart_engine(tokenizer: Any, tokenizer_dir: Path) -> Iterator[SimServer]:
+    """An engine whose choices end apart, one token a step."""
     config = SimConfig(model="tiny", root=str(tokenizer_dir), tokenizer=tokenizer, max_model_len=2048,
                        num_blocks=512, block_size=16, token_delay=0.002, system_fingerprint=FINGERPRINT,
                        stop_early_choice=lambda index, choice, max_tokens: CHOICE_LENGTHS[choice])
     with run_sim_server(config) as server:
-        settings = Settings(tokenizer=str(tokenizer_dir), scrape_interval=0.05, queue_timeout=5.0,
-                            read_timeout=5.0, upstream=server.url)
-        with run_gateway(settings) as gw:
-            yield server, gw
+        yield server
+
+
+def apart_settings(sim: SimServer, tokenizer_dir: Path) -> Settings:
+    return Settings(tokenizer=str(tokenizer_dir), scrape_interval=0.05, queue_timeout=5.0, read_timeout=5.0,
+                    upstream=sim.url)
+
+
+@pytest.fixture(scope="module")
+def apart(apart_engine: SimServer, tokenizer_dir: Path) -> Iterator[tuple[SimServer, GatewayServer]]:
+    """That engine, and a gateway in front of it."""
+    with run_gateway(apart_settings(apart_engine, tokenizer_dir)) as gw:
+        yield apart_engine, gw
 
 
 @pytest.mark.parametrize("route,options", [
@@ -225,3 +234,29 @@ def test_several_choices_come_in_vllms_order_each_ending_as_vllm_ends_it(
     # Choice 0 ends long before the others in vLLM's stream, and in the relayed one at the same place.
     assert normalised(events(through.content)) == normalised(events(direct.content))
     gw.wait_ledger_empty()
+
+
+def without_fingerprint(event: bytes) -> bytes:
+    return event.replace(b',"system_fingerprint":' + orjson.dumps(FINGERPRINT), b"")
+
+
+@pytest.mark.parametrize("route", ["chat", "completions"])
+def test_the_first_stream_an_engine_serves_ends_each_choice_where_vllm_ends_it(
+    apart_engine: SimServer, tokenizer_dir: Path, route: str
+) -> None:
+    """A gateway that has not yet seen the engine's fingerprint (no usage chunk told it): choice 0's end comes
+    after its 4th token, before the other choices' next text, as vLLM sends it, not behind their 30. Only the
+    ends of choices that end while others still run lack the fingerprint (not known yet); the last is stamped
+    from the usage chunk right behind it."""
+    case = Stream("first", route, None, n=len(CHOICE_LENGTHS), interval=None)
+    rid = f"first-{route}"
+    with run_gateway(apart_settings(apart_engine, tokenizer_dir)) as gw:
+        through = httpx.post(gw.url + case.path, json=case.body(), headers={"x-request-id": rid}, timeout=30)
+        gw.wait_ledger_empty()
+    direct = httpx.post(apart_engine.url + case.path, json=case.body(), headers={"x-request-id": rid}, timeout=30)
+    assert through.status_code == direct.status_code == 200, through.text
+    last = CHOICE_LENGTHS.index(max(CHOICE_LENGTHS))
+    expected = [e if b'"index":%d,' % last in e else without_fingerprint(e) for e in events(direct.content)]
+    assert normalised(events(through.content)) == normalised(expected)
+    ends = [e for e in events(through.content) if b'"finish_reason":"' in e]
+    assert [b"system_fingerprint" in e for e in ends] == [False, False, True]

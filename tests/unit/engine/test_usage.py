@@ -4,7 +4,7 @@ vLLM would have sent it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -81,8 +81,10 @@ def client_stream(n: int, steps: list[int], ask: UsageAsk, *, fingerprint: str |
     return [*events, *tail, DONE]
 
 
-def relay(events: list[bytes], ask: UsageAsk, route: str = "chat", reads: int = 1) -> tuple[list[bytes], StreamUsage]:
-    meter = StreamUsage(route, ask)
+def relay(
+    events: list[bytes], ask: UsageAsk, route: str = "chat", reads: int = 1, known: Fingerprint | None = None
+) -> tuple[list[bytes], StreamUsage]:
+    meter = StreamUsage(route, ask, known)
     out: list[bytes] = []
     size = max(1, len(events) // reads)
     for i in range(0, len(events), size):
@@ -141,6 +143,14 @@ class TestWhatTheEngineIsAsked:
         assert sent["stream_options"] == case.sent
         assert body.get("stream_options") == case.options  # the client's body is not changed in place
 
+    @pytest.mark.parametrize("fields,choices", [
+        ({}, 1), ({"n": 3}, 3), ({"n": None}, 1), ({"prompt": "one"}, 1), ({"prompt": [1, 2, 3], "n": 2}, 2),
+        ({"prompt": ["a", "b"], "n": 2}, 4), ({"prompt": [[1], [2], [3]]}, 3),
+    ], ids=["one", "n=3", "n null", "one prompt", "token ids are one prompt", "two prompts, n=2", "three id lists"])
+    def test_the_choices_are_counted_as_vllm_numbers_them(self, fields: dict[str, Any], choices: int) -> None:
+        _, ask = ask_engine_for_usage({"model": "tiny", "stream": True, **fields})
+        assert ask.choices == choices
+
 
 @pytest.mark.parametrize("ask", [UsageAsk(False, False), UsageAsk(True, False), EVERYTHING],
                          ids=["nothing asked", "usage asked", "continuous asked"])
@@ -150,14 +160,8 @@ class TestWhatTheEngineIsAsked:
 def test_the_client_gets_what_vllm_would_have_sent_it_and_the_count_is_the_engines(
     ask: UsageAsk, n: int, steps: list[int], reads: int
 ) -> None:
-    out, meter = relay(engine_stream(n, steps), ask, reads=reads)
-    expected = client_stream(n, steps, ask)
-    # Chunks of other choices may pass a choice's last chunk held for the fingerprint; each choice keeps its order.
-    assert sorted(out) == sorted(expected)
-    for i in range(n):
-        mine = [e for e in expected if b'"index":%d,' % i in e]
-        assert [e for e in out if b'"index":%d,' % i in e] == mine
-    assert out[-1] == DONE
+    out, meter = relay(engine_stream(n, steps), replace(ask, choices=n), reads=reads, known=learned())
+    assert out == client_stream(n, steps, ask)
     assert meter.generated == n * sum(steps) and meter.reported
 
 
@@ -206,14 +210,42 @@ class TestMultiChoiceStreamsInVllmsOrder:
         # Nothing waits: every chunk but the untold usage chunk comes out as it comes in.
         assert all(len(out) == 1 for out, event in zip(outs, engine, strict=False) if b'"choices":[]' not in event)
 
-    def test_the_first_stream_teaches_the_fingerprint_and_only_it_holds_the_ends(self) -> None:
-        known = Fingerprint()
-        lengths, ask = [1, 3], UsageAsk(False, False)
-        first = [e for out in relay_learning(interleaved(lengths, None), ask, known) for e in out]
-        assert sorted(first) == sorted(interleaved(lengths, ask))  # the same bytes; choice 0's end held once
+    def test_before_the_fingerprint_is_known_no_end_waits_behind_another_choices_text(self) -> None:
+        """The first stream an engine serves: each end goes as it comes while other choices still run (without
+        the fingerprint, not yet told); the last choice's end waits only for the usage chunk vLLM writes right
+        behind it, and is stamped from there."""
+        known, lengths, ask = Fingerprint(), [2, 5, 3], UsageAsk(False, False, choices=3)
+        engine = interleaved(lengths, None)
+        outs = relay_learning(engine, ask, known)
+        last_end = next(k for k, e in enumerate(engine) if b'"index":1,' in e and b'"finish_reason":"' in e)
+        usage_chunk = engine.index(final(sum(lengths)))
+        for k, out in enumerate(outs[: len(engine)]):
+            if k == last_end:
+                assert out == []
+            elif k == usage_chunk:
+                assert out == [chat(1, "x", None, "stop", fingerprint=FP)]
+            else:
+                assert len(out) == 1, f"event {k} was held"
+        unstamped = [e.replace(b',"system_fingerprint":' + orjson.dumps(FP), b"")
+                     if b'"index":1,' not in e else e for e in interleaved(lengths, ask)]
+        assert [e for out in outs for e in out] == unstamped  # vLLM's order, every choice's end where it was
         assert known.known and known.value == FP
         second = [e for out in relay_learning(interleaved(lengths, None), ask, known) for e in out]
-        assert second == interleaved(lengths, ask)
+        assert second == interleaved(lengths, ask)  # once learned, every end is stamped as it passes
+
+    def test_ends_read_with_the_usage_chunk_are_all_stamped_before_the_fingerprint_is_known(self) -> None:
+        lengths, ask = [3, 3], UsageAsk(False, False, choices=2)
+        out, _ = relay(interleaved(lengths, None), ask, known=Fingerprint())
+        assert out == interleaved(lengths, ask)
+
+    def test_an_end_held_for_the_usage_chunk_goes_before_any_other_chunk(self) -> None:
+        """Choices miscounted (or an engine that sends no usage): a held end still never waits behind text."""
+        meter = StreamUsage("chat", UsageAsk(False, False, choices=1), Fingerprint())
+        end = chat(0, "x", 1, "stop")
+        assert meter.feed([end]) == []
+        assert meter.feed([chat(1, "y", 1)]) == [chat(0, "x", None, "stop"), chat(1, "y", None)]
+        assert meter.feed([chat(1, "z", 2, "stop")]) == []
+        assert meter.feed([DONE]) == [chat(1, "z", None, "stop"), DONE]
 
     def test_a_new_fingerprint_is_learned_from_the_next_usage_chunk(self) -> None:
         known = learned("vllm-0.32.0-old")
