@@ -112,7 +112,8 @@ class HttpFields(BaseModel):
     )
     write_timeout: float = Field(
         30.0, gt=0, description="Seconds a client may accept no byte of an answer while the gateway has bytes "
-        "waiting for it; then its connection is closed.",
+        "waiting for it; then its connection is closed. On a busy host the time the host starved work of a CPU "
+        "(/proc/pressure/cpu) is not counted, up to four times this in all; so for --header-timeout and the body's.",
     )
 
     # -- request templates ------------------------------------------------------------------------

@@ -134,6 +134,9 @@ class Bench:
         errors = sorted({o.error for o in outcomes if o.error})
         if errors:
             self.ctx.say(f"{target}: errors seen: {errors[:3]}")
+        lost = losses(outcomes)
+        if lost:
+            self.ctx.say(f"{target}: not completed: " + ", ".join(f"{n} {kind}" for kind, n in sorted(lost.items())))
         return fig, outcomes, extra
 
     def _labelled(self, engine: Target, gateway: Target | None) -> dict[str, int]:
@@ -149,6 +152,24 @@ class Bench:
         counted = reasons.setdefault(key, Counter())
         for reason, value in refusals(base).items():
             counted[reason] += round(value - before.get(reason, 0.0))
+
+
+def losses(outcomes: list[Outcome]) -> Counter[str]:
+    """The requests that got no whole answer, by kind: a refusal or another status, a client timeout, a stream
+    that ended without its usage, or the client's error (a connection closed under it: a read error)."""
+    out: Counter[str] = Counter()
+    for o in outcomes:
+        if o.completed:
+            continue
+        if o.timed_out:
+            out["client timeout"] += 1
+        elif o.error:
+            out[f"read error {o.error.partition('(')[0]}"] += 1
+        elif o.status == 200:
+            out["200 without a whole answer"] += 1
+        else:
+            out[str(o.status)] += 1
+    return out
 
 
 def picture(ctx: Context, load: str, first_run: dict[str, list[Outcome]], spec: Load, objective: float) -> str:

@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from gateway.config import Settings
 from gateway.errors import PayloadTooLarge, RequestTimeout
+from gateway.http.starved import Share, owed
 
 # The connection cannot be reused once a body is refused part-way: the rest of it would be read as a request.
 
@@ -37,11 +38,13 @@ class BodyLimits:
         return min(self.timeout, self.grace + size / self.min_rate)
 
 
-async def read_body(request: Request, limits: BodyLimits, clock: Callable[[], float] = time.monotonic) -> bytes:
+async def read_body(request: Request, limits: BodyLimits, clock: Callable[[], float] = time.monotonic,
+                    share: Share | None = None) -> bytes:
     """The whole body, or ``PayloadTooLarge`` / ``RequestTimeout`` (both closing the connection), or
     ``ClientDisconnect``. Each chunk is checked against ``limits`` as it arrives; a client that sends nothing
     at all is cut by the server's connection timer with the same rule (``server.GuardProtocol``): a timer per
-    request here would cost more than the rest of this function."""
+    request here would cost more than the rest of this function. A body late while the host starved work of a
+    CPU is given the time its client may not have run (``starved.owed``; ``share`` for tests)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
         raise PayloadTooLarge(
@@ -66,7 +69,7 @@ async def read_body(request: Request, limits: BodyLimits, clock: Callable[[], fl
                 )
             chunks.append(chunk)
         elapsed = clock() - start
-        if elapsed > limits.due(size):
+        if elapsed > limits.due(size) and not owed(limits.due(size), elapsed, share):
             raise body_too_slow(limits, size, elapsed)
     return b"".join(chunks)
 

@@ -1,23 +1,27 @@
 """Nothing lost to a busy host: an overload of chat streams beside processes that keep every core busy, sent as
 the OpenAI SDK sends them (a pool of kept-alive connections, reused after idle gaps as long as its own
 expiry), is answered whole: every request gets 200, or a 429/503 that says when to come back; none ends in a
-connection error with no answer at all."""
+connection error with no answer at all. A client that connected and then did not run (its host starved it of a
+CPU) is not closed as one that sends nothing on an idle host is."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from gateway.config import Settings
+from gateway.observe import cpu_pressure
 from tests.support.harness import GatewayServer, run_gateway
 from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
@@ -85,3 +89,34 @@ def test_an_overload_beside_busy_cores_loses_no_request(gateway: GatewayServer, 
     lost = [o for o in outcomes if o != "ok"]
     assert not lost, f"{len(lost)} of {len(outcomes)} requests were not answered: {sorted(set(lost))}"
     gateway.wait_ledger_empty(timeout=10.0)
+
+
+# A fresh connection waits this long for its first request here (--header-timeout); a starved host stretches it
+# to four times as much at most. The client sends after twice as long: past the timeout, within the stretch.
+FIRST_WAIT = 1.0
+SENDS_AFTER = 2.0
+
+
+@pytest.mark.parametrize(("share", "answered"), [
+    pytest.param(0.9, True, id="on-a-starved-host-it-is-answered"),
+    pytest.param(0.0, False, id="on-an-idle-host-it-is-closed"),
+])
+def test_a_client_that_connects_then_sends_late(
+    sim: SimServer, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch, share: float, answered: bool
+) -> None:
+    """Measured beside a CPU hog: every request the gateway lost was a connection it closed because its client,
+    having connected, did not send within the 10 s a fresh connection gets; vLLM alone waits for it. The host's
+    CPU pressure is injected: the gateway reads the share of the wait its host starved work of a CPU."""
+    monkeypatch.setattr(cpu_pressure, "starved_share", lambda window: share)
+    settings = Settings(tokenizer=str(tokenizer_dir), header_timeout=FIRST_WAIT)
+    # One process: the injected pressure is this process's (with --workers each worker reads its own host's).
+    with run_gateway(settings, upstream=sim.url, workers="1") as gw, socket.create_connection(
+        (urlsplit(gw.url).hostname, urlsplit(gw.url).port), timeout=10
+    ) as s:
+        time.sleep(SENDS_AFTER)  # the client does not run
+        try:
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: gw\r\n\r\n")
+            head = s.recv(64)
+        except ConnectionError:
+            head = b""
+    assert head.startswith(b"HTTP/1.1 200") == answered, head
