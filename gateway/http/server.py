@@ -50,8 +50,7 @@ from gateway.http.body import body_too_slow
 from gateway.http.errors import status_and_type
 from gateway.http.limits import ConnectionLimits
 from gateway.http.refusals import head_too_large, parse_error, render
-from gateway.http.stall import WriteStall
-from gateway.http.starved import owed
+from gateway.http.stall import WriteStall, due
 from gateway.http.stream_out import CONNECTION
 from gateway.http.transport import LingeringTransport, unread
 
@@ -138,7 +137,9 @@ class GuardProtocol(HttpToolsProtocol):
         deadline = self._deadline
         if deadline is None or self.parser is None:
             return
-        if deadline - self.loop.time() > 0.005:  # the phase moved on since the timer was set
+        since = self._body_start if self._phase == _BODY else deadline - self.limits.header_timeout
+        deadline = due(since, deadline, self.loop.time()) if self._phase < _BUSY else deadline  # a starved client's
+        if deadline - self.loop.time() > 0.005:  # the phase moved on since the timer was set, or the host starved
             self._timer = self.loop.call_at(deadline, self._on_timer)
             self._timer_at = deadline
             return
@@ -146,8 +147,6 @@ class GuardProtocol(HttpToolsProtocol):
             # The loop ran late, and bytes that may have come in time wait unread: judged once they are read.
             self._late_read = True
             self._arm(self._phase, self.loop.time() + LATE_READ)
-        elif self._phase != _CLOSING and (self._phase != _IDLE or not self._messages) and self._starved(deadline):
-            pass  # the busy host may have kept the client from sending: judged again once its owed time is spent
         elif self._phase == _HEAD:
             seconds = self.limits.header_timeout
             self._refuse(RequestTimeout(f"The request line and headers did not arrive within {seconds:g} seconds."))
@@ -257,16 +256,6 @@ class GuardProtocol(HttpToolsProtocol):
             self._linger(uploading=False)
             return
         self._refuse(body_too_slow(body, self._body_raw, now - self._body_start))
-
-    def _starved(self, deadline: float) -> bool:
-        """Whether the host starved work of a CPU during the wait that ended at ``deadline`` (``starved``): the
-        timer fires again once the client's owed time is spent, the deadline (the wait's start) kept."""
-        limits, phase = self.limits, self._phase
-        limit = limits.header_timeout if phase == _HEAD else deadline - self._body_start if phase == _BODY else min(
-            limits.keep_alive_timeout, limits.header_timeout)
-        self._timer_at = self.loop.time() + owed(limit, self.loop.time() - deadline + limit)
-        self._timer = self.loop.call_at(self._timer_at, self._on_timer) if self._timer_at > self.loop.time() else None
-        return self._timer is not None
 
     # -- parser callbacks -------------------------------------------------------------------------
     def on_message_begin(self) -> None:

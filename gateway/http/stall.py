@@ -1,4 +1,4 @@
-"""The write timeout of one client connection.
+"""The write timeout of one client connection, and what a starved host owes a connection's other timeouts.
 
 A client that stops reading fills its connection's send buffer, and the transport pauses writing; a stream's
 writer then waits for it. While writing is paused, a timer of ``--write-timeout`` seconds runs: when it fires
@@ -28,6 +28,14 @@ from typing import Any
 from gateway.http.starved import Share, owed
 
 log = logging.getLogger(__name__)
+
+
+def due(since: float, deadline: float, now: float) -> float:
+    """When a connection's wait that began at ``since`` (a fresh connection's or a head's, from
+    ``--header-timeout``; a body's) ends, given that its ``deadline`` passed at ``now``: later by what a starved
+    host owes its client (``starved.owed``). A deadline still ahead stays. (The server's idle wait after an answer
+    is judged as if it had lasted --header-timeout: a starved host adds a few seconds to the keep-alive at most.)"""
+    return deadline if deadline > now else now + owed(deadline - since, now - since)
 
 
 def writable(transport: Any) -> bool:
