@@ -17,12 +17,14 @@ import contextlib
 import logging
 import sys
 
+import orjson
 from starlette.datastructures import State
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from gateway.config import Settings
 from gateway.engine.client import Upstream
-from gateway.errors import GatewayError, PayloadTooLarge, UpstreamUnavailable
+from gateway.errors import GatewayError, PayloadTooLarge, UpstreamTimeout, UpstreamUnavailable
 from gateway.http.app import GuardedFastPath
 from gateway.http.errors import error_response
 from gateway.http.routes import RouteTable
@@ -30,6 +32,9 @@ from gateway.http.serving import build_server, listening_socket
 from gateway.http.stream_out import HeldBytes
 from gateway.observe.process_logging import install_logging
 from gateway.workers.assembly import build_worker_parts
+from gateway.workers.liveness import CODE
+from gateway.workers.messages import Serving
+from gateway.workers.remote import AuthorityClient
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +43,18 @@ _HOP = frozenset({
     b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
     b"transfer-encoding", b"upgrade", b"host", b"content-length",
 })
+# Seconds the authority is given to answer a worker's /health: past them the worker answers 503 itself (a probe
+# must learn that this process cannot admit, not wait with it).
+HEALTH_WITHIN = 2.0
 
 
 class ToAuthority:
     """Every route but the guarded ones, forwarded to the authority's app over its private socket."""
 
-    def __init__(self, settings: Settings, private: str) -> None:
+    def __init__(self, settings: Settings, private: str, client: AuthorityClient | None = None) -> None:
         self.state = State()
         self._settings = settings
+        self._client = client
         self._upstream = Upstream(settings, base_url=lambda: "unix:" + private, credentials=True)
 
     async def start(self) -> None:
@@ -57,6 +66,12 @@ class ToAuthority:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        health = scope["path"] == "/health"
+        refusal = self._client.refusal() if self._client is not None else None
+        if refusal is not None:  # an authority gone or frozen: this worker says so itself, at once
+            reply = unhealthy(refusal.message, refusal.retry_after) if health else error_response(refusal)
+            await reply(scope, receive, send)
+            return
         try:
             body = await self._body(receive)
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"] if k not in _HOP}
@@ -64,9 +79,16 @@ class ToAuthority:
             if scope.get("query_string"):
                 path += b"?" + scope["query_string"]
             stream = await self._upstream.open(scope["method"], path.decode("latin-1"), body=body or None,
-                                               headers=headers)
+                                               headers=headers, timeout=HEALTH_WITHIN if health else None)
         except GatewayError as exc:
-            await error_response(exc)(scope, receive, send)
+            if health:
+                reason = (
+                    f"this gateway worker's admission authority did not answer /health within {HEALTH_WITHIN:g} s"
+                    if isinstance(exc, UpstreamTimeout) else f"this gateway worker's /health failed: {exc.message}"
+                )
+                await unhealthy(reason, 1.0)(scope, receive, send)
+            else:
+                await error_response(exc)(scope, receive, send)
             return
         except (OSError, RuntimeError):  # the private socket broke under the request: the authority's, not a 500
             log.exception("forwarding %s to the authority failed", scope["path"])
@@ -105,10 +127,17 @@ class ToAuthority:
         return b"".join(chunks)
 
 
+def unhealthy(reason: str, retry_after: float | None) -> Response:
+    """``/health`` as the worker answers it when its authority cannot: 503, and why."""
+    body = {"status": "unavailable", "gateway": CODE, "reason": reason}
+    headers = {"retry-after": str(max(1, round(retry_after)))} if retry_after is not None else None
+    return Response(orjson.dumps(body), status_code=503, media_type="application/json", headers=headers)
+
+
 async def run(settings: Settings, channel: str, private: str) -> None:
     async with contextlib.AsyncExitStack() as stack:
         parts, client = await build_worker_parts(settings, stack, channel)
-        forward = ToAuthority(settings, private)
+        forward = ToAuthority(settings, private, client)
         await forward.start()
         stack.push_async_callback(forward.close)
         forward.state.parts = parts
@@ -126,7 +155,7 @@ async def run(settings: Settings, channel: str, private: str) -> None:
         async def serving() -> None:
             while not server.started:  # noqa: ASYNC110 - uvicorn says it started only as a flag
                 await asyncio.sleep(0.01)
-            client.send({"type": "serving"})  # the authority counts it among the processes that serve
+            client.send(Serving())  # the authority counts it among the processes that serve
 
         watch = asyncio.create_task(orphaned(), name="worker-orphaned")
         told = asyncio.create_task(serving(), name="worker-serving")

@@ -3,22 +3,27 @@
 With ``--workers N`` the main process is the admission authority: it holds the one ``Admission`` (KV books,
 queue, projection, forecast, preemption budget) and the one ``Tenants`` (windows, shares, usage) for its engine
 set, and serves requests itself like any worker. Each other worker connects over a Unix socket (``Channel``)
-and, per request, asks here what one process would have asked itself:
+and, per request, asks here what one process would have asked itself (``messages.py``):
 
-    admit {id, booking, tenant charge}  ->  admitted {target, waited, headers} | refused {error, headers}
-    progress {id: tokens, ...}, per engine {streams opened/closed, chunks, answers}   (batched, ~20 a second)
-    release {id, completed, generated}  ->  the blocks go back, the tenant is settled on end {id, queue_ms}
+    Admit {key, booking, tenant charge}  ->  Admitted {key, target, waited, headers} | Refused {key, error, headers}
+    Progress {key: tokens, ...}, per engine {streams opened/closed, chunks, answers}   (batched, ~20 a second)
+    Release {key, completed, generated}  ->  the blocks go back, the tenant is settled on End {key, queue_ms}
 
-Nothing crosses per token: a worker's progress is batched. Each request is a task here holding the real
-reservation and tenant grant (``async with``), so the rules of one process hold across all of them: the
-ledger never commits past the budget, the queue's order and fair shares see every request, tenants' limits
-are counted once. A worker that dies closes its channel: every request it held is released (not completed)
-and settled at once, and its queued requests leave the queue.
+A request is named by the worker's key, unique on its channel; the client's ``x-request-id`` is only the
+reservation's label, so two requests that carry the same id (a retry reusing it) are two requests here, each
+charged to its tenant and each released. Nothing crosses per token: a worker's progress is batched. Each request
+is a task here holding the real reservation and tenant grant (``async with``), so the rules of one process hold
+across all of them: the ledger never commits past the budget, the queue's order and fair shares see every
+request, tenants' limits are counted once per request. A worker that dies closes its channel: every request it
+held is released (not completed) and settled at once, its queued requests leave the queue, and its streams
+leave the engines' view (the hang detectors count only the streams still open).
 
-The authority also tells every worker what the request path reads of the engines (``state``): whether each is
+The authority also tells every worker what the request path reads of the engines (``State``): whether each is
 hung, each managed engine's lifecycle state and URL, the engines' model listings and the KV capacity that
-clamps ``max_tokens`` (``workers/mirror.py`` applies it), and asks the workers for their metrics when
-``/metrics`` is read (``metrics_merge.py``).
+clamps ``max_tokens`` (``workers/mirror.py`` applies it); it sends a heartbeat (``Alive``) every
+``ALIVE_EVERY`` seconds, whose absence tells a worker that the authority is frozen (``liveness.py``), and asks
+the workers for their metrics when ``/metrics`` is read and every ``SNAPSHOT_EVERY`` seconds
+(``metrics_merge.py``).
 """
 
 from __future__ import annotations
@@ -27,15 +32,36 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gateway.admission.reservation import Reservation
 from gateway.errors import GatewayError
 from gateway.guard.parts import Parts
-from gateway.observe.access_log import AccessRecord
 from gateway.tenants import Grant
-from gateway.workers.channel import Channel, Message
-from gateway.workers.messages import error_to_json, prefix_from_json
+from gateway.workers.channel import Channel
+from gateway.workers.messages import (
+    ALIVE_EVERY,
+    Access,
+    Admit,
+    Admitted,
+    Alive,
+    Booking,
+    Charge,
+    End,
+    Message,
+    MetricsAsk,
+    MetricsReply,
+    Progress,
+    Refused,
+    Rejected,
+    Release,
+    Serving,
+    State,
+    Withdraw,
+    error_data,
+)
 from gateway.workers.metrics_merge import SNAPSHOT_EVERY, WorkerCounts
 from gateway.workers.mirror import state_of
 
@@ -50,7 +76,7 @@ class _Attempt:
     __slots__ = ("completed", "done", "generated", "reservation", "task")
 
     def __init__(self) -> None:
-        self.reservation: Any = None  # while admitted
+        self.reservation: Reservation | None = None  # while admitted
         self.task: asyncio.Task[None] | None = None
         self.done = asyncio.Event()  # released by the worker (or the worker gone)
         self.completed = False
@@ -73,170 +99,173 @@ class WorkerLink:
     def __init__(self, parts: Parts, authority: Authority) -> None:
         self.parts = parts
         self.authority = authority
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[int, _Request] = {}  # by the worker's key
         self.channel = Channel(self._on_message, self._on_lost)
+        self._tasks: set[asyncio.Task[None]] = set()  # every admission's, cancelled when the worker goes
+        self._opened: dict[int, int] = {}  # engine -> the worker's streams open on it, as it reported them
         self._metrics: dict[int, asyncio.Future[Any]] = {}
         self._asks = itertools.count(1)
         self.serving = False  # the worker listens on the port (it said so once its server had started)
 
     # -- messages -------------------------------------------------------------------------------------
     def _on_message(self, msg: Message) -> None:
-        kind = msg.get("type")
-        handler = _HANDLERS.get(str(kind))
+        handler = _HANDLERS.get(type(msg))
         if handler is None:
-            log.error("unknown message from a worker: %r", kind)
+            log.error("a message a worker does not send: %s", type(msg).__name__)
             return
         handler(self, msg)
 
-    def _admit(self, msg: Message) -> None:
-        rid = str(msg["id"])
-        held = self.requests.get(rid)
+    def _admit(self, msg: Admit) -> None:
+        held = self.requests.get(msg.key)
         if held is None:
-            held = self.requests[rid] = _Request()
+            held = self.requests[msg.key] = _Request()
+        elif held.attempt.task is not None:
+            held.attempt.task.cancel()  # a worker admits a request again only once it released it: never two
         attempt = held.attempt = _Attempt()
-        attempt.task = asyncio.get_running_loop().create_task(
-            self._serve(rid, held, attempt, msg), name="worker-admit"
+        task = attempt.task = asyncio.get_running_loop().create_task(
+            self._serve(msg, held, attempt), name="worker-admit"
         )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, rid: str, held: _Request, attempt: _Attempt, msg: Message) -> None:
-        parts, charge = self.parts, msg.get("charge")
+    async def _serve(self, msg: Admit, held: _Request, attempt: _Attempt) -> None:
+        parts, key = self.parts, msg.key
         try:
-            if held.grant is None:
-                held.grant = await self._charge(charge)
+            if held.grant is None:  # the request's first admission: charged to its tenant, whatever its id
+                held.grant = await self._charge(msg.charge)
                 held.grant.raise_if_refused()
-            reservation = parts.admission.reservation(**_reservation_kwargs(msg["booking"], rid))
+            reservation = _reservation(parts, msg.booking)
             async with held.grant.admit(reservation, parts.admission.budget_blocks) as waited_ms:
                 attempt.reservation = reservation
-                target = reservation.target
-                self.channel.send({
-                    "type": "admitted", "id": rid, "waited_ms": waited_ms, "headers": held.grant.headers,
-                    "target": None if target is None else [target.engine, target.rank, target.name],
-                })
+                self.channel.send(Admitted(key, waited_ms, dict(held.grant.headers), reservation.target))
                 await attempt.done.wait()
                 reservation.observe_output_tokens(attempt.generated)
                 reservation.release(completed=attempt.completed)
         except GatewayError as exc:
-            headers = held.grant.headers if held.grant is not None else {}
-            self.channel.send({"type": "refused", "id": rid, "error": error_to_json(exc), "headers": headers})
+            headers = dict(held.grant.headers) if held.grant is not None else {}
+            self.channel.send(Refused(key, error_data(exc), headers))
         except asyncio.CancelledError:
             pass  # withdrawn by the worker, or the worker gone: ``async with`` gave everything back
         except Exception:
             log.exception("admitting a worker's request failed")
-            self.channel.send({"type": "refused", "id": rid, "error": None, "headers": {}})
+            self.channel.send(Refused(key, None, {}))
 
-    async def _charge(self, charge: dict[str, Any] | None) -> Grant:
+    async def _charge(self, charge: Charge | None) -> Grant:
         tenants = self.parts.tenants
         if tenants is None or charge is None:
             return Grant.unlimited()
         return await tenants.check(
-            str(charge["tenant"]), prompt_tokens=int(charge["prompt_tokens"]),
-            output_tokens=int(charge["output_tokens"]),
+            charge.tenant, prompt_tokens=charge.prompt_tokens, output_tokens=charge.output_tokens
         )
 
-    def _withdraw(self, msg: Message) -> None:
-        held = self.requests.get(str(msg["id"]))
+    def _withdraw(self, msg: Withdraw) -> None:
+        held = self.requests.get(msg.key)
         if held is not None and held.attempt.task is not None:
             held.attempt.task.cancel()
 
-    def _progress(self, msg: Message) -> None:
-        for rid, tokens in msg.get("tokens", {}).items():
-            held = self.requests.get(rid)
+    def _progress(self, msg: Progress) -> None:
+        for key, tokens in msg.tokens.items():
+            held = self.requests.get(key)
             if held is not None and held.attempt.reservation is not None:
-                held.attempt.reservation.observe_output_tokens(int(tokens))
+                held.attempt.reservation.observe_output_tokens(tokens)
         engines = self.parts.every_engine()
-        for index, value in msg.get("fingerprints", {}).items():
-            if int(index) < len(engines):
-                engines[int(index)].fingerprint.learn(value)
-        for index, (opened, chunks, answers) in msg.get("engines", {}).items():
-            i = int(index)
-            if i < len(engines):
-                engines[i].progress.note_remote(int(opened), int(chunks), int(answers))
+        for index, value in msg.fingerprints.items():
+            if 0 <= index < len(engines):
+                engines[index].fingerprint.learn(value)
+        for index, (opened, chunks, answers) in msg.engines.items():
+            if 0 <= index < len(engines):
+                engines[index].progress.note_remote(opened, chunks, answers)
+                self._opened[index] = self._opened.get(index, 0) + opened
 
-    def _release(self, msg: Message) -> None:
-        held = self.requests.get(str(msg["id"]))
+    def _release(self, msg: Release) -> None:
+        held = self.requests.get(msg.key)
         if held is not None:
             attempt = held.attempt
-            attempt.completed = bool(msg.get("completed"))
-            attempt.generated = int(msg.get("generated", 0))
+            attempt.completed, attempt.generated = msg.completed, msg.generated
             if attempt.reservation is not None:  # the blocks go back now, before the task wakes
                 attempt.reservation.observe_output_tokens(attempt.generated)
                 attempt.reservation.release(completed=attempt.completed)
             attempt.done.set()
 
-    def _end(self, msg: Message) -> None:
-        held = self.requests.pop(str(msg["id"]), None)
+    def _end(self, msg: End) -> None:
+        held = self.requests.pop(msg.key, None)
         if held is None:
             return
         held.attempt.done.set()
         if held.grant is not None:
-            held.grant.settle(float(msg.get("queue_ms", 0.0)))
+            held.grant.settle(msg.queue_ms)
 
-    def _access(self, msg: Message) -> None:
+    def _access(self, msg: Access) -> None:
         """A worker's request ended: its access-log line is written here, with every process's."""
-        fields: dict[str, Any] = {k: int(v["int"]) if isinstance(v, dict) else v for k, v in msg["record"].items()}
-        self.parts.access_log.write(AccessRecord(**fields))
+        self.parts.access_log.write(msg.record)
 
-    def _rejected(self, msg: Message) -> None:
+    def _rejected(self, msg: Rejected) -> None:
         tenants = self.parts.tenants
         if tenants is not None:
-            tenants.usage.rejected(str(msg["tenant"]), str(msg["reason"]))
+            tenants.usage.rejected(msg.tenant, msg.reason)
 
-    def _serving(self, msg: Message) -> None:
+    def _serving(self, msg: Serving) -> None:
         self.serving = True
 
-    def _metrics_reply(self, msg: Message) -> None:
-        self.authority.counts.seen(self, msg.get("families", []))
-        waiter = self._metrics.pop(int(msg["ask"]), None)
+    def _metrics_reply(self, msg: MetricsReply) -> None:
+        families = list(msg.families)
+        self.authority.counts.seen(self, families)
+        waiter = self._metrics.pop(msg.ask, None)
         if waiter is not None and not waiter.done():
-            waiter.set_result(msg.get("families", []))
+            waiter.set_result(families)
 
     # -- asked of the worker -------------------------------------------------------------------------
     async def metrics(self, timeout: float) -> Any:
         ask = next(self._asks)
         waiter = self._metrics[ask] = asyncio.get_running_loop().create_future()
-        self.channel.send({"type": "metrics", "ask": ask})
+        self.channel.send(MetricsAsk(ask))
         try:
             return await asyncio.wait_for(waiter, timeout)
         finally:
             self._metrics.pop(ask, None)
 
     def _on_lost(self) -> None:
-        """The worker is gone: what it held goes back (not completed), its tenants are settled."""
+        """The worker is gone: what it held goes back (not completed), its tenants are settled, its streams leave
+        the engines' view."""
         self.authority.links.discard(self)
         self.authority.counts.lost(self)  # its counters stay in /metrics: they never go backwards
-        for held in list(self.requests.values()):
-            if held.attempt.task is not None:
-                held.attempt.task.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        for held in self.requests.values():
             if held.grant is not None:
                 held.grant.settle(0.0)
         self.requests.clear()
+        engines = self.parts.every_engine()
+        for index, opened in self._opened.items():
+            if opened:  # ended with it (the engine aborts them as their connections close); counted on, they
+                # would be work for good, and an idle engine probed, and judged hung on one failed probe
+                engines[index].progress.note_remote(-opened, 0, 0)
+        self._opened.clear()
         for waiter in self._metrics.values():
             if not waiter.done():
                 waiter.set_result([])
 
 
-_HANDLERS = {
-    "admit": WorkerLink._admit,
-    "withdraw": WorkerLink._withdraw,
-    "progress": WorkerLink._progress,
-    "release": WorkerLink._release,
-    "end": WorkerLink._end,
-    "rejected": WorkerLink._rejected,
-    "metrics_reply": WorkerLink._metrics_reply,
-    "serving": WorkerLink._serving,
-    "access": WorkerLink._access,
+_HANDLERS: dict[type, Callable[[WorkerLink, Any], None]] = {
+    Admit: WorkerLink._admit,
+    Withdraw: WorkerLink._withdraw,
+    Progress: WorkerLink._progress,
+    Release: WorkerLink._release,
+    End: WorkerLink._end,
+    Rejected: WorkerLink._rejected,
+    MetricsReply: WorkerLink._metrics_reply,
+    Serving: WorkerLink._serving,
+    Access: WorkerLink._access,
 }
 
 
-def _reservation_kwargs(booking: dict[str, Any], rid: str) -> dict[str, Any]:
-    return {
-        "prompt_tokens": int(booking["prompt_tokens"]), "max_tokens": int(booking["max_tokens"]),
-        "n": int(booking["n"]), "priority": int(booking["priority"]), "request_id": rid,
-        "tenant": str(booking["tenant"]), "weight": float(booking["weight"]),
-        "prefix": prefix_from_json(booking.get("prefix")), "avoid": frozenset(booking.get("avoid", ())),
-        "family": str(booking.get("family", "")), "deadline": booking.get("deadline"),
-        "min_output": int(booking.get("min_output", 0)),
-    }
+def _reservation(parts: Parts, b: Booking) -> Reservation:
+    reservation: Reservation = parts.admission.reservation(
+        prompt_tokens=b.prompt_tokens, max_tokens=b.max_tokens, n=b.n, priority=b.priority,
+        request_id=b.request_id, tenant=b.tenant, weight=b.weight, prefix=b.prefix, avoid=frozenset(b.avoid),
+        family=b.family, deadline=b.deadline, min_output=b.min_output,
+    )
+    return reservation
 
 
 class Authority:
@@ -248,7 +277,7 @@ class Authority:
         self.links: set[WorkerLink] = set()
         self._server: asyncio.AbstractServer | None = None
         self._pushing: asyncio.Task[None] | None = None
-        self._state: dict[str, Any] | None = None
+        self._state: State | None = None
         self.counts = WorkerCounts()  # each worker's newest metrics, and the dead workers' counters
 
     async def start(self) -> None:
@@ -262,29 +291,33 @@ class Authority:
         link = WorkerLink(self.parts, self)
         self.links.add(link)
         if self._state is not None:
-            link.channel.send({"type": "state", "state": self._state})
+            link.channel.send(self._state)
         return link.channel
 
     async def _push_state(self) -> None:
-        every = round(SNAPSHOT_EVERY / STATE_EVERY)
+        snapshot, alive = round(SNAPSHOT_EVERY / STATE_EVERY), round(ALIVE_EVERY / STATE_EVERY)
         for tick in itertools.count():
             self.push_now()
-            if tick % every == 0:  # each worker's counts, kept should it die between two scrapes
+            try:
                 for link in list(self.links):
-                    link.channel.send({"type": "metrics", "ask": 0})
+                    if tick % alive == 0:  # its absence tells a worker that this loop is frozen
+                        link.channel.send(Alive())
+                    if tick % snapshot == 0:  # each worker's counts, kept should it die between two scrapes
+                        link.channel.send(MetricsAsk(0))
+            except Exception:  # this task must never die: the workers would take its silence for a freeze
+                log.exception("telling the workers this authority lives failed")
             await asyncio.sleep(STATE_EVERY)
 
     def push_now(self) -> None:
         """Tell every worker the engines' state if it changed."""
         try:
             state = state_of(self.parts)
+            if state != self._state:
+                self._state = state
+                for link in list(self.links):
+                    link.channel.send(state)
         except Exception:
             log.exception("telling the workers the engines' state failed")
-            return
-        if state != self._state:
-            self._state = state
-            for link in list(self.links):
-                link.channel.send({"type": "state", "state": state})
 
     def serving(self) -> int:
         """How many workers serve now."""

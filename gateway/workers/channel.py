@@ -1,9 +1,16 @@
-"""One connection between a worker and the admission authority: messages (JSON objects) over a Unix socket.
+"""One connection between a worker and the admission authority: typed messages (``messages.py``) over a Unix socket.
 
-Each message is a 4-byte big-endian length and that many bytes of JSON (orjson). What one loop iteration
-sends goes out in one write (``send`` queues, a ``call_soon`` flushes), so a busy worker's admits, progress and
-releases share system calls. A message larger than ``MAX_MESSAGE`` or a frame that is not JSON ends the
-connection: both sides are the gateway's own code, so that is a bug, never a client's doing.
+Each frame is a 4-byte big-endian length and that many bytes of JSON (orjson). What one loop iteration sends
+goes out in one write (``send`` queues, a ``call_soon`` flushes), so a busy worker's admits, progress and
+releases share system calls. Both sides are the gateway's own code, so a frame that is not a well-formed message
+is a bug, never a client's doing: a frame larger than ``MAX_MESSAGE``, not JSON, or not a message of a known kind
+with fields of the right types is logged and ends the connection, which each side already handles whole (the
+authority gives back everything the worker held, the worker refuses what waits and stops). Only a malformed
+message that nothing waits on and nothing counts by (an access-log line, a rejection's tally) is dropped alone.
+A handler never sees a malformed message, and no waiter is left hanging on one that was dropped.
+
+What the peer does not read is bounded too: past ``MAX_BACKLOG`` bytes waiting to be written (a peer stopped, or
+wedged) the connection ends the same way.
 """
 
 from __future__ import annotations
@@ -12,20 +19,21 @@ import asyncio
 import logging
 import struct
 from collections.abc import Callable
-from typing import Any
 
 import orjson
 
+from gateway.workers.codec import Malformed
+from gateway.workers.messages import Message, decode, encode
+
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 64 * 1024 * 1024  # a prompt's block keys travel with its admit; a metrics exposition too
+MAX_MESSAGE = 64 * 1024 * 1024  # a prompt's ids travel with its admit; a metrics exposition too
+MAX_BACKLOG = 256 * 1024 * 1024  # bytes written and not yet read by the peer
 _HEADER = struct.Struct(">I")
-
-Message = dict[str, Any]
 
 
 class Channel(asyncio.Protocol):
-    """Framed JSON messages both ways; ``on_message`` gets each one, ``on_lost`` the connection's end (once)."""
+    """Framed messages both ways; ``on_message`` gets each one, ``on_lost`` the connection's end (once)."""
 
     def __init__(self, on_message: Callable[[Message], None], on_lost: Callable[[], None]) -> None:
         self._on_message = on_message
@@ -35,16 +43,20 @@ class Channel(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._flush_scheduled = False
         self.closed = False
-        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self.heard_at = self._loop.time()  # when the peer's last bytes arrived
+        self.ready: asyncio.Future[None] = self._loop.create_future()
 
     # -- asyncio's side -------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is no subclass)
+        self.heard_at = self._loop.time()
         if not self.ready.done():
             self.ready.set_result(None)
         self._flush()  # what was sent before the connection was made
 
     def data_received(self, data: bytes) -> None:
+        self.heard_at = self._loop.time()
         buf = self._buf
         buf += data
         at = 0
@@ -52,17 +64,19 @@ class Channel(asyncio.Protocol):
         while size - at >= 4:
             (length,) = _HEADER.unpack_from(buf, at)
             if length > MAX_MESSAGE:
-                log.error("a message of %d bytes on the workers' channel; closing it", length)
-                self.close()
+                self._refuse(f"a message of {length} bytes (at most {MAX_MESSAGE})")
                 return
             if size - at - 4 < length:
                 break
             try:
-                message = orjson.loads(memoryview(buf)[at + 4 : at + 4 + length])
-            except orjson.JSONDecodeError:
-                log.error("a message that is not JSON on the workers' channel; closing it")
-                self.close()
-                return
+                message = decode(orjson.loads(memoryview(buf)[at + 4 : at + 4 + length]))
+            except (orjson.JSONDecodeError, Malformed) as exc:
+                if not isinstance(exc, Malformed) or not exc.droppable:
+                    self._refuse(f"a malformed message ({str(exc)[:200]})")
+                    return
+                log.error("a malformed message on the workers' channel, dropped: %.200s", exc)
+                at += 4 + length
+                continue
             at += 4 + length
             try:
                 self._on_message(message)
@@ -81,12 +95,12 @@ class Channel(asyncio.Protocol):
     def send(self, message: Message) -> None:
         if self.closed:
             return
-        body = orjson.dumps(message, option=orjson.OPT_NON_STR_KEYS)  # engines by index
+        body = orjson.dumps(encode(message), option=orjson.OPT_NON_STR_KEYS)  # engines and keys by number
         self._out.append(_HEADER.pack(len(body)))
         self._out.append(body)
         if not self._flush_scheduled:
             self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
         self._flush_scheduled = False
@@ -94,6 +108,12 @@ class Channel(asyncio.Protocol):
             return
         out, self._out = self._out, []
         self._transport.write(b"".join(out))
+        if self._transport.get_write_buffer_size() > MAX_BACKLOG:
+            self._refuse(f"more than {MAX_BACKLOG} bytes the peer did not read")
+
+    def _refuse(self, what: str) -> None:
+        log.error("%s on the workers' channel; closing it", what)
+        self.close()
 
     def close(self) -> None:
         if self._transport is not None:

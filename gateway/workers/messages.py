@@ -1,4 +1,24 @@
-"""What crosses between a worker and the admission authority, written as JSON: errors and reservations.
+"""What crosses between a worker and the admission authority: one frozen dataclass per kind of message.
+
+Every request on the channel is named by a **key** the worker makes (a counter of its own, unique on its channel),
+never by the client's ``x-request-id``: two requests may carry the same id (a retry that reuses it), and keyed by
+it the second would take the first's place and strand its reservation. The client's id crosses only as a label
+(``Booking.request_id``: the reservation's id in logs and status).
+
+    worker -> authority                              authority -> worker
+    Admit {key, booking, charge}                     Admitted {key, waited_ms, headers, target}
+    Withdraw {key}                                   Refused {key, error, headers}
+    Progress {tokens by key, moves by engine}        State {engines, supervisors, capacity}
+    Release {key, completed, generated}              MetricsAsk {ask}
+    End {key, queue_ms}                              Alive {}   (every ``ALIVE_EVERY`` seconds)
+    Rejected, Serving, Access, MetricsReply
+
+A frame is ``[kind, [fields...]]`` (``codec.py``); ``decode`` checks every field of a message against its type
+when it arrives, so a handler never sees a malformed one. Measured with ``python -m timeit`` (CPython 3.11, a
+busy 2-core host): an admit of a 30-token prompt encodes in 2.7 us and decodes (orjson and every check) in
+4.7 us, against 0.7 and 1.1 us as the untyped dict it replaced; a release 0.2 and 0.9 us (0.1 and 0.2); an
+access-log record 1.9 and 3.3 us. That is about 6 us more of the authority's loop per request. pydantic
+(``TypeAdapter.validate_json`` of the same admit as dataclasses) took 6-8 us to decode alone.
 
 An error refused by the authority (a full queue, a tenant's limit, a deadline) reaches the worker as the same
 ``GatewayError`` subclass with the same fields, so that the HTTP layer answers it exactly as it would have in one
@@ -8,12 +28,267 @@ process. Only the gateway's own error classes are rebuilt; anything else becomes
 
 from __future__ import annotations
 
-from typing import Any
+import typing
+from array import array
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from gateway import errors
+from gateway.admission.ledger import Capacity
 from gateway.admission.prefix import PromptPrefix
+from gateway.admission.reservation import Target
+from gateway.engine.vllm_api import ServedModel
 from gateway.errors import GatewayError
+from gateway.observe.access_log import FIELDS, AccessRecord
+from gateway.workers.codec import Decode, Encode, Malformed, decoder, encoder
 
+ALIVE_EVERY = 0.5  # seconds between the authority's heartbeats (``remote.py`` judges their absence)
+
+
+# -- what a message carries ---------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ErrorData:
+    """A ``GatewayError`` as it crosses: its class's name and its plain attributes (message, code, retry_after)."""
+
+    name: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """What a reservation books (``Admission.reservation``'s arguments)."""
+
+    request_id: str  # the client's id: a label, never the key
+    prompt_tokens: int
+    max_tokens: int
+    n: int
+    priority: int
+    tenant: str
+    weight: float
+    prefix: PromptPrefix | None
+    avoid: tuple[str, ...]
+    family: str
+    deadline: float | None
+    min_output: int
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """A request's charge to its tenant's windows, made with its first admission."""
+
+    tenant: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    hung: bool
+    detail: str | None
+    url: str
+    refusal: ErrorData | None
+    fingerprint_known: bool
+    fingerprint: str | None
+    models: tuple[ServedModel, ...] | None
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorState:
+    state: str
+    retry_after: float
+    url: str
+
+
+# -- worker -> authority ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Admit:
+    KIND: ClassVar[str] = "admit"
+    key: int
+    booking: Booking
+    charge: Charge | None  # the first admission of a request only (a failover's second is not charged again)
+
+
+@dataclass(frozen=True, slots=True)
+class Withdraw:
+    KIND: ClassVar[str] = "withdraw"
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    KIND: ClassVar[str] = "progress"
+    tokens: dict[int, int]  # key -> tokens generated so far
+    engines: dict[int, tuple[int, int, int]]  # engine -> (streams opened less closed, chunks, answers) since last
+    fingerprints: dict[int, str | None]  # engine -> its system_fingerprint, learned here
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    KIND: ClassVar[str] = "release"
+    key: int
+    completed: bool
+    generated: int
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    KIND: ClassVar[str] = "end"
+    key: int
+    queue_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    KIND: ClassVar[str] = "rejected"
+    tenant: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    KIND: ClassVar[str] = "serving"
+
+
+@dataclass(frozen=True, slots=True)
+class Access:
+    KIND: ClassVar[str] = "access"
+    record: AccessRecord
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsReply:
+    KIND: ClassVar[str] = "metrics_reply"
+    ask: int
+    families: tuple[Any, ...]  # ``metrics_merge.families_of``, read there
+
+
+# -- authority -> worker ------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    KIND: ClassVar[str] = "admitted"
+    key: int
+    waited_ms: float
+    headers: dict[str, str]
+    target: Target | None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    KIND: ClassVar[str] = "refused"
+    key: int
+    error: ErrorData | None  # None: the authority failed (a bug of ours): 503, retry
+    headers: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """What the request path reads of the engines, as the authority sees them (``mirror.py``)."""
+
+    KIND: ClassVar[str] = "state"
+    engines: tuple[EngineState, ...]
+    supervisors: tuple[SupervisorState, ...]
+    capacity: Capacity | None
+    sharing: bool
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsAsk:
+    KIND: ClassVar[str] = "metrics"
+    ask: int
+
+
+@dataclass(frozen=True, slots=True)
+class Alive:
+    """The authority's heartbeat: a worker that hears nothing for a while refuses what would wait on it."""
+
+    KIND: ClassVar[str] = "alive"
+
+
+Message = (
+    Admit | Withdraw | Progress | Release | End | Rejected | Serving | Access | MetricsReply
+    | Admitted | Refused | State | MetricsAsk | Alive
+)
+
+
+# -- frames -------------------------------------------------------------------------------------------
+_BIG = -(2**63), 2**63  # what JSON carries exactly: a client's integer beyond it crosses as its digits
+
+
+def _big_out(value: object) -> object:
+    if type(value) is int and not _BIG[0] <= value < _BIG[1]:
+        return {"int": str(value)}
+    return value
+
+
+def _big_in(value: Any) -> int | None:
+    if value is None or type(value) is int:
+        return value
+    digits = value.get("int") if type(value) is dict else None
+    if type(digits) is not str or len(digits) > 4300:
+        raise Malformed("an integer expected")
+    try:
+        return int(digits)
+    except ValueError:
+        raise Malformed("an integer expected") from None
+
+
+def _record_codec() -> tuple[Encode, Decode]:
+    """An access record's fields, an integer the client sent (``max_tokens`` 10^30) kept whole."""
+    hints = typing.get_type_hints(AccessRecord)
+    checks: list[Decode] = [_big_in if hints[name] in (int, int | None) else decoder(hints[name]) for name in FIELDS]
+
+    def encode(msg: Access) -> list[Any]:
+        return [[_big_out(getattr(msg.record, name)) for name in FIELDS]]
+
+    def decode(value: Any) -> Access:
+        if type(value) is not list or len(value) != 1 or type(value[0]) is not list or len(value[0]) != len(FIELDS):
+            raise Malformed(f"an access record of {len(FIELDS)} fields expected")
+        return Access(AccessRecord(*[check(x) for check, x in zip(checks, value[0], strict=True)]))
+
+    return encode, decode
+
+
+def _codecs() -> dict[str, tuple[type, Encode, Decode]]:
+    kinds: dict[str, tuple[type, Encode, Decode]] = {}
+    for cls in typing.get_args(Message):
+        if cls is Access:
+            kinds[cls.KIND] = (cls, *_record_codec())
+            continue
+        out = encoder(cls)
+        assert out is not None
+        kinds[cls.KIND] = (cls, out, decoder(cls))
+    return kinds
+
+
+_KINDS = _codecs()
+# Kinds nothing waits on and nothing is counted by (a log line, a rejection's tally, a metrics reply whose asker
+# has a timeout): one that arrives malformed is dropped; any other ends the channel (``channel.py``).
+_DROPPABLE = (Access, Rejected, MetricsReply)
+_ENCODE: dict[type, tuple[str, Encode]] = {cls: (kind, out) for kind, (cls, out, _) in _KINDS.items()}
+
+
+def encode(message: Message) -> list[Any]:
+    """The frame orjson writes for ``message``."""
+    kind, out = _ENCODE[type(message)]
+    return [kind, out(message)]
+
+
+def decode(frame: Any) -> Message:
+    """The message in what ``orjson.loads`` gave, every field checked; ``Malformed`` otherwise."""
+    if type(frame) is not list or len(frame) != 2:
+        raise Malformed("a frame is [kind, fields]")
+    known = _KINDS.get(frame[0]) if type(frame[0]) is str else None
+    if known is None:
+        raise Malformed(f"no message of kind {str(frame[0])[:40]!r}")
+    try:
+        message: Message = known[2](frame[1])
+    except Malformed as exc:
+        exc.droppable = known[0] in _DROPPABLE
+        raise
+    return message
+
+
+# -- errors and prompts -------------------------------------------------------------------------------
 _CLASSES: dict[str, type[GatewayError]] = {
     name: cls for name, cls in vars(errors).items()
     if isinstance(cls, type) and issubclass(cls, GatewayError)
@@ -21,16 +296,14 @@ _CLASSES: dict[str, type[GatewayError]] = {
 _PLAIN = (str, int, float, bool, type(None))
 
 
-def error_to_json(exc: GatewayError) -> dict[str, Any]:
+def error_data(exc: GatewayError) -> ErrorData:
     """The error's class and every plain attribute it carries (message, code, param, retry_after, ...)."""
-    fields = {k: v for k, v in vars(exc).items() if isinstance(v, _PLAIN)}
-    return {"class": type(exc).__name__, "fields": fields}
+    return ErrorData(type(exc).__name__, {k: v for k, v in vars(exc).items() if isinstance(v, _PLAIN)})
 
 
-def error_from_json(data: dict[str, Any]) -> GatewayError:
-    cls = _CLASSES.get(str(data.get("class")))
-    raw = data.get("fields")
-    fields: dict[str, Any] = raw if isinstance(raw, dict) else {}
+def error_of(data: ErrorData) -> GatewayError:
+    cls = _CLASSES.get(data.name)
+    fields = {k: v for k, v in data.fields.items() if isinstance(v, _PLAIN)}
     message = str(fields.get("message", "The gateway's admission failed."))
     if cls is None:
         return errors.UpstreamUnavailable(message, retry_after=1)
@@ -42,17 +315,13 @@ def error_from_json(data: dict[str, Any]) -> GatewayError:
     return exc
 
 
-_ID_RANGE = range(-(2**63), 2**63)  # what JSON carries exactly, and vLLM's ids fit in
-
-
-def prefix_to_json(prefix: PromptPrefix | None) -> dict[str, Any] | None:
-    """The prompt's ids and salt; none for ids no engine accepts (its blocks are never shared: ``block_keys``)."""
-    if prefix is None or not all(isinstance(i, int) and i in _ID_RANGE for i in prefix.ids):
+def crossing_prefix(prefix: PromptPrefix | None) -> PromptPrefix | None:
+    """The prompt's ids as 64-bit integers (what JSON carries exactly, and vLLM's ids fit in); none for ids no
+    engine accepts (its blocks are never shared: ``block_keys``)."""
+    if prefix is None:
         return None
-    return {"ids": list(prefix.ids), "salt": prefix.salt}
-
-
-def prefix_from_json(data: dict[str, Any] | None) -> PromptPrefix | None:
-    if data is None:
+    try:
+        ids = prefix.ids if isinstance(prefix.ids, array) else array("q", prefix.ids)
+    except (TypeError, OverflowError):
         return None
-    return PromptPrefix(tuple(data.get("ids", ())), str(data.get("salt", "")))
+    return PromptPrefix(ids, prefix.salt)

@@ -1,10 +1,17 @@
 """A worker process's admission and tenant limits: the authority's, asked over its channel.
 
 The request path (``guard/pipeline.py``) is the same in every process; in a worker its ``parts.admission`` and
-``parts.tenants`` are these stand-ins. A reservation is entered with one ``admit`` message (the tenant's charge
-rides along the first time) and answered ``admitted`` or ``refused``; its progress goes out batched
-(``progress``, every ``PROGRESS_EVERY`` seconds, only what changed); its release and the tenant's settlement
-are one message each. A request whose client leaves while it waits in the queue is withdrawn. If the authority
+``parts.tenants`` are these stand-ins. Each request gets a key of this worker's making (``AuthorityClient.key``)
+that names it on the channel; the client's ``x-request-id`` is only its label. A reservation is entered with one
+``Admit`` (the tenant's charge rides along until the authority has seen the request) and answered ``Admitted``
+or ``Refused``; its progress goes out batched (``Progress``, every ``PROGRESS_EVERY`` seconds, only what
+changed); its release and the tenant's settlement are one message each.
+
+Every wait on the authority is bounded: by the request's own limit (its deadline, else ``--queue-timeout``) and
+``ANSWER_GRACE``, or twice the limit while the authority is heard from (a tenant's KV share is waited for before
+the queue, each within the limit). A request given up on, or whose client left, is withdrawn, so that an
+authority that answers later frees what it held for it. An authority that says nothing at all
+(``liveness.py``) gets no new requests: they are refused at once with 503 and ``Retry-After``. If the authority
 goes away the worker can admit nothing: its requests get 503 and it stops (the authority restarts it).
 """
 
@@ -12,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -19,13 +27,33 @@ from typing import Any
 from gateway.admission.ledger import fit_output
 from gateway.admission.reservation import Target
 from gateway.config import Settings
-from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.errors import UpstreamUnavailable
 from gateway.guard.parts import Parts
 from gateway.metrics import Metrics
-from gateway.observe.access_log import FIELDS, AccessLog, AccessLogFormat, AccessRecord
+from gateway.observe.access_log import AccessLog, AccessLogFormat, AccessRecord
 from gateway.tenants import Tenants
-from gateway.workers.channel import Channel, Message
-from gateway.workers.messages import error_from_json, prefix_to_json
+from gateway.workers.channel import Channel
+from gateway.workers.liveness import CODE, Liveness
+from gateway.workers.messages import (
+    Access,
+    Admit,
+    Admitted,
+    Alive,
+    Booking,
+    Charge,
+    End,
+    Message,
+    MetricsAsk,
+    MetricsReply,
+    Progress,
+    Refused,
+    Rejected,
+    Release,
+    State,
+    Withdraw,
+    crossing_prefix,
+    error_of,
+)
 from gateway.workers.metrics_merge import families_of
 from gateway.workers.mirror import Mirror, SupervisorMirror, apply_state
 
@@ -33,6 +61,8 @@ log = logging.getLogger(__name__)
 
 _UNTOLD = object()
 PROGRESS_EVERY = 0.05  # seconds: what a worker's streams generated reaches the authority this often
+# Seconds past a request's own limit that the authority is given to say so itself (its QueueTimeout is exact).
+ANSWER_GRACE = 1.0
 
 
 class AuthorityClient:
@@ -44,43 +74,89 @@ class AuthorityClient:
         self.mirror = Mirror()
         self.supervisors: list[SupervisorMirror] = []
         self.channel = Channel(self._on_message, self._on_lost)
+        loop = asyncio.get_running_loop()
+        self.liveness = Liveness(lambda: self.channel.heard_at, loop.time)
         self.state_seen = asyncio.Event()
         self.lost = asyncio.Event()
-        self._replies: dict[str, asyncio.Future[Message]] = {}
-        self._tokens: dict[str, int] = {}
+        self._keys = itertools.count(1)
+        self._known: set[int] = set()  # keys the authority was told of and not yet told the end of
+        self._replies: dict[int, asyncio.Future[Admitted | Refused]] = {}
+        self._tokens: dict[int, int] = {}
         self._engines: dict[int, list[int]] = {}  # engine -> [opened - closed, chunks, answers] since last sent
-        self._flusher: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._told: dict[int, object] = {}  # engine -> the fingerprint the authority was told
 
     async def connect(self, path: str) -> None:
-        await asyncio.get_running_loop().create_unix_connection(lambda: self.channel, path)
+        loop = asyncio.get_running_loop()
+        await loop.create_unix_connection(lambda: self.channel, path)
         await asyncio.wait_for(self.state_seen.wait(), 30)
-        self._flusher = asyncio.get_running_loop().create_task(self._flush_progress(), name="worker-progress")
+        self._tasks = [
+            loop.create_task(self._flush_progress(), name="worker-progress"),
+            loop.create_task(self.liveness.run(), name="worker-authority-liveness"),
+        ]
 
     async def close(self) -> None:
-        if self._flusher is not None:
-            self._flusher.cancel()
+        for task in self._tasks:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+                await task
         self.channel.close()
 
     # -- requests -------------------------------------------------------------------------------------
-    async def admit(self, rid: str, booking: dict[str, Any], charge: dict[str, Any] | None) -> Message:
+    def key(self) -> int:
+        """A new request's name on the channel: unique on it, whatever ids the clients send."""
+        return next(self._keys)
+
+    def refusal(self) -> UpstreamUnavailable | None:
+        """Why nothing can wait on the authority now (gone, or silent), or None."""
         if self.lost.is_set():
-            raise _authority_gone()
-        waiter = self._replies[rid] = asyncio.get_running_loop().create_future()
-        self.channel.send({"type": "admit", "id": rid, "booking": booking, "charge": charge})
+            return _authority_gone()
+        if self.liveness.silent:
+            return self.liveness.refusal()
+        return None
+
+    def knows(self, key: int) -> bool:
+        return key in self._known
+
+    async def admit(self, key: int, booking: Booking, charge: Charge | None) -> Admitted | Refused:
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
+        waiter = self._replies[key] = asyncio.get_running_loop().create_future()
+        self._known.add(key)
+        self.channel.send(Admit(key, booking, charge))
         try:
-            reply: Message = await waiter
-            return reply
-        except asyncio.CancelledError:
-            self.channel.send({"type": "withdraw", "id": rid})  # the client left while it waited
+            return await self._answer(waiter, booking)
+        except BaseException:  # the client left, or the wait was given up: the authority frees what it holds
+            self.channel.send(Withdraw(key))
             raise
         finally:
-            self._replies.pop(rid, None)
+            self._replies.pop(key, None)
 
-    def progress(self, rid: str, generated: int) -> None:
-        self._tokens[rid] = generated
+    async def _answer(self, waiter: asyncio.Future[Admitted | Refused], booking: Booking) -> Admitted | Refused:
+        q = self.settings.queue_timeout
+        limit = min(booking.deadline, q) if booking.deadline is not None and booking.deadline > 0 else q
+        done, _ = await asyncio.wait((waiter,), timeout=limit + ANSWER_GRACE)
+        if not done and not self.liveness.silent:
+            done, _ = await asyncio.wait((waiter,), timeout=limit)  # a tenant's KV share, then the queue
+        if not done:
+            if self.liveness.silent:
+                raise self.liveness.refusal()
+            raise UpstreamUnavailable(
+                f"This gateway worker's admission authority did not answer within {2 * limit + ANSWER_GRACE:g} s "
+                f"(the request's limit: {limit:g} s, its deadline or --queue-timeout). Retry shortly.",
+                code=CODE, retry_after=1,
+            )
+        return waiter.result()
+
+    def end(self, key: int, queue_ms: float) -> None:
+        """The request is over: the authority settles its tenant and forgets it."""
+        if key in self._known:
+            self._known.discard(key)
+            self.channel.send(End(key, queue_ms))
+
+    def progress(self, key: int, generated: int) -> None:
+        self._tokens[key] = generated
 
     def engine_moved(self, engine: int, opened: int = 0, chunks: int = 0, answers: int = 0) -> None:
         counts = self._engines.get(engine)
@@ -107,7 +183,8 @@ class AuthorityClient:
             return
         tokens, self._tokens = self._tokens, {}
         engines, self._engines = self._engines, {}
-        self.channel.send({"type": "progress", "tokens": tokens, "engines": engines, "fingerprints": learned})
+        moves = {i: (c[0], c[1], c[2]) for i, c in engines.items()}
+        self.channel.send(Progress(tokens, moves, learned))
 
     def _fingerprints(self) -> dict[int, str | None]:
         """The engines' ``system_fingerprint``s this process learned and the authority was not told yet: it tells
@@ -121,16 +198,18 @@ class AuthorityClient:
 
     # -- from the authority ------------------------------------------------------------------------------
     def _on_message(self, msg: Message) -> None:
-        kind = msg.get("type")
-        if kind in ("admitted", "refused"):
-            waiter = self._replies.get(str(msg["id"]))
+        self.liveness.heard()
+        if isinstance(msg, Admitted | Refused):
+            waiter = self._replies.get(msg.key)
             if waiter is not None and not waiter.done():
                 waiter.set_result(msg)
-        elif kind == "state":
-            apply_state(self.parts, self.mirror, self.supervisors, msg["state"])
+        elif isinstance(msg, State):
+            apply_state(self.parts, self.mirror, self.supervisors, msg)
             self.state_seen.set()
-        elif kind == "metrics":
-            self.channel.send({"type": "metrics_reply", "ask": msg["ask"], "families": families_of(self.parts)})
+        elif isinstance(msg, MetricsAsk):
+            self.channel.send(MetricsReply(msg.ask, tuple(families_of(self.parts))))
+        elif not isinstance(msg, Alive):
+            log.error("a message the authority does not send: %s", type(msg).__name__)
 
     def _on_lost(self) -> None:
         self.lost.set()
@@ -146,13 +225,15 @@ def _authority_gone() -> UpstreamUnavailable:
 class RemoteReservation:
     """A reservation held at the authority: what the request path reads and tells of it."""
 
-    __slots__ = ("_client", "_released", "booking", "generated", "min_output", "queue_ms", "request_id", "target")
+    __slots__ = ("_client", "_released", "booking", "generated", "key", "min_output", "queue_ms", "request_id",
+                 "target")
 
-    def __init__(self, client: AuthorityClient, booking: dict[str, Any]) -> None:
+    def __init__(self, client: AuthorityClient, booking: Booking) -> None:
         self._client = client
         self.booking = booking
-        self.request_id = str(booking["request_id"])
-        self.min_output = int(booking.get("min_output", 0))
+        self.key = 0  # the request's, set by its grant before the admission
+        self.request_id = booking.request_id
+        self.min_output = booking.min_output
         self.target: Target | None = None
         self.generated = 0
         self.queue_ms = 0.0
@@ -161,21 +242,18 @@ class RemoteReservation:
     def observe_output_tokens(self, generated: int) -> None:
         if generated > self.generated:
             self.generated = generated
-            self._client.progress(self.request_id, generated)
+            self._client.progress(self.key, generated)
 
-    def admitted(self, reply: Message) -> None:
-        target = reply.get("target")
-        self.target = None if target is None else Target(str(target[2]), int(target[0]), target[1])
-        self.queue_ms = float(reply.get("waited_ms", 0.0))
+    def admitted(self, reply: Admitted) -> None:
+        self.target = reply.target
+        self.queue_ms = reply.waited_ms
         self._released = False
 
     def release(self, *, completed: bool = True) -> None:
         if self._released:
             return
         self._released = True
-        self._client.send({
-            "type": "release", "id": self.request_id, "completed": completed, "generated": self.generated,
-        })
+        self._client.send(Release(self.key, completed, self.generated))
 
 
 class RemoteAdmission:
@@ -185,9 +263,12 @@ class RemoteAdmission:
         self._client = client
         self._settings = settings
 
-    def reservation(self, *, request_id: str, prefix: Any = None, avoid: frozenset[str] = frozenset(),
-                    **booking: Any) -> RemoteReservation:
-        booking.update(request_id=request_id, prefix=prefix_to_json(prefix), avoid=sorted(avoid))
+    def reservation(self, *, prompt_tokens: int, max_tokens: int, n: int = 1, priority: int = 0,
+                    request_id: str = "", tenant: str = "default", weight: float = 1.0, prefix: Any = None,
+                    avoid: frozenset[str] = frozenset(), family: str = "", deadline: float | None = None,
+                    min_output: int = 0) -> RemoteReservation:
+        booking = Booking(request_id, prompt_tokens, max_tokens, n, priority, tenant, weight, crossing_prefix(prefix),
+                          tuple(sorted(avoid)), family, deadline, min_output)
         return RemoteReservation(self._client, booking)
 
     def fit(self, prompt_tokens: int, max_tokens: int, n: int, *, clamp: bool, prefix_known: bool = False) -> int:
@@ -203,12 +284,12 @@ class RemoteAdmission:
 
 
 class RemoteGrant:
-    """A tenant's charge for one request, made at the authority with its first admission."""
+    """A tenant's charge for one request, made at the authority with its first admission; the request's key."""
 
-    def __init__(self, client: AuthorityClient, charge: dict[str, Any] | None) -> None:
+    def __init__(self, client: AuthorityClient, charge: Charge | None) -> None:
         self._client = client
         self._charge = charge
-        self._rid: str | None = None
+        self.key = client.key()
         self.headers: dict[str, str] = {}
 
     def raise_if_refused(self) -> None:
@@ -219,13 +300,13 @@ class RemoteGrant:
 
     @contextlib.asynccontextmanager
     async def _admit(self, booked: RemoteReservation) -> AsyncIterator[float]:
-        charge, self._charge = self._charge, None  # charged once, with the first admission
-        self._rid = booked.request_id
-        reply = await self._client.admit(booked.request_id, booked.booking, charge)
-        self.headers = dict(reply.get("headers") or {})
-        if reply["type"] == "refused":
-            error = reply.get("error")
-            raise error_from_json(error) if error is not None else UpstreamUnavailable(
+        booked.key = self.key
+        # Charged with the first admission the authority sees; a failover's second is the same request.
+        charge = None if self._client.knows(self.key) else self._charge
+        reply = await self._client.admit(self.key, booked.booking, charge)
+        self.headers = dict(reply.headers)
+        if isinstance(reply, Refused):
+            raise error_of(reply.error) if reply.error is not None else UpstreamUnavailable(
                 "The gateway's admission failed; retry shortly.", retry_after=1
             )
         booked.admitted(reply)
@@ -235,9 +316,7 @@ class RemoteGrant:
             booked.release(completed=False)  # a no-op once the request path released it
 
     def settle(self, queue_ms: float) -> None:
-        if self._rid is not None:
-            self._client.send({"type": "end", "id": self._rid, "queue_ms": queue_ms})
-            self._rid = None
+        self._client.end(self.key, queue_ms)
 
 
 class ForwardedAccessLog(AccessLog):
@@ -253,14 +332,7 @@ class ForwardedAccessLog(AccessLog):
 
     def write(self, record: AccessRecord) -> None:
         if self.fmt != "off":
-            self._client.send({"type": "access", "record": {name: _json_int(getattr(record, name)) for name in FIELDS}})
-
-
-def _json_int(value: object) -> object:
-    """A client's integer beyond what JSON carries exactly (``max_tokens`` 10^30) as its digits."""
-    if isinstance(value, int) and not -(2**63) <= value < 2**63:
-        return {"int": str(value)}
-    return value
+            self._client.send(Access(record))
 
 
 class RemoteUsage:
@@ -268,7 +340,7 @@ class RemoteUsage:
         self._client = client
 
     def rejected(self, tenant: str, reason: str) -> None:
-        self._client.send({"type": "rejected", "tenant": tenant, "reason": reason})
+        self._client.send(Rejected(tenant, reason))
 
 
 class RemoteTenants(Tenants):
@@ -281,8 +353,7 @@ class RemoteTenants(Tenants):
         self.usage = RemoteUsage(client)  # type: ignore[assignment]
 
     async def check(self, tenant_name: str, *, prompt_tokens: int, output_tokens: int) -> Any:
-        charge = {"tenant": tenant_name, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens}
-        return RemoteGrant(self._client, charge)
+        return RemoteGrant(self._client, Charge(tenant_name, prompt_tokens, output_tokens))
 
 
-__all__ = ["AuthorityClient", "GatewayError", "RemoteAdmission", "RemoteTenants"]
+__all__ = ["AuthorityClient", "RemoteAdmission", "RemoteTenants"]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -71,6 +72,63 @@ def _is_worker(pid: int) -> bool:
 
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _server_inode(port: int, client_port: int) -> int:
+    """The inode of the socket a process accepted for the client's connection from ``client_port`` (0: none yet)."""
+    want = (f"0100007F:{port:04X}", f"0100007F:{client_port:04X}")
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if (fields[1], fields[2]) == want:
+            return int(fields[9])
+    return 0
+
+
+def _holds(pid: int, inode: int) -> bool:
+    target = f"socket:[{inode}]"
+    with contextlib.suppress(OSError):
+        return any(os.readlink(f"/proc/{pid}/fd/{fd}") == target for fd in os.listdir(f"/proc/{pid}/fd"))
+    return False
+
+
+async def connection_on(gw: GatewayServer, worker: bool) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to the gateway that the worker process accepted (``worker``), or the authority did: the kernel
+    spreads connections across the processes, so the test makes some until one lands where it wants."""
+    pid, port = worker_pid(gw), int(gw.url.rsplit(":", 1)[1])
+    for _ in range(64):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        client_port = writer.get_extra_info("sockname")[1]
+        deadline = time.monotonic() + 5.0
+        while not (inode := _server_inode(port, client_port)):
+            assert time.monotonic() < deadline, "the gateway did not accept the connection"
+            await asyncio.sleep(0.01)
+        if _holds(pid, inode) == worker:
+            return reader, writer
+        writer.close()
+    raise AssertionError("no connection landed on the process wanted")
+
+
+async def exchange(
+    conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], method: str, path: str,
+    body: dict[str, Any] | None = None, headers: dict[str, str] | None = None, timeout: float = 30.0,
+) -> tuple[int, dict[str, str], bytes]:
+    """One request on the connection, which then closes: the status, the headers (lower case), the whole body
+    (``timeout``: a request that gets no answer fails the test rather than hang it)."""
+    reader, writer = conn
+    data = b"" if body is None else orjson.dumps(body)
+    head = [f"{method} {path} HTTP/1.1", "host: gateway", "connection: close", f"content-length: {len(data)}"]
+    if body is not None:
+        head.append("content-type: application/json")
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + data)
+    try:
+        raw = await asyncio.wait_for(reader.read(-1), timeout)
+    finally:
+        writer.close()
+    top, _, rest = raw.partition(b"\r\n\r\n")
+    lines = top.decode("latin-1").split("\r\n")
+    got = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), {k.lower(): v for k, v in got.items()}, rest
 
 
 def cpu_seconds(pid: int) -> float:

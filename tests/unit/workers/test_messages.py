@@ -1,13 +1,117 @@
-"""A refusal crosses from the authority to a worker as the same error, with the same fields; a prompt's ids
-cross as they are, or not at all when no engine would accept them."""
+"""Every kind of message crosses as itself; one whose fields are not of their types is refused on arrival. A
+refusal crosses from the authority to a worker as the same error, with the same fields; a prompt's ids cross as
+64-bit integers, or not at all when no engine would accept them."""
 
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from gateway import errors
+from gateway.admission.ledger import Capacity
 from gateway.admission.prefix import PromptPrefix
-from gateway.workers.messages import error_from_json, error_to_json, prefix_from_json, prefix_to_json
+from gateway.admission.reservation import Target
+from gateway.engine.vllm_api import ServedModel
+from gateway.observe.access_log import AccessRecord
+from gateway.workers.codec import Malformed
+from gateway.workers.messages import (
+    Access,
+    Admit,
+    Admitted,
+    Alive,
+    Booking,
+    Charge,
+    End,
+    EngineState,
+    ErrorData,
+    Message,
+    MetricsAsk,
+    MetricsReply,
+    Progress,
+    Refused,
+    Rejected,
+    Release,
+    Serving,
+    State,
+    SupervisorState,
+    Withdraw,
+    crossing_prefix,
+    decode,
+    encode,
+    error_data,
+    error_of,
+)
+
+BOOKING = Booking("client-id", 16, 32, 2, 3, "search", 1.5, crossing_prefix(PromptPrefix((1, 2, 3), "tiny")),
+                  ("e0",), "tiny/chat", 2.5, 4)
+RECORD = AccessRecord(
+    time=1.7e9, request_id="r", tenant=None, route="chat", model="tiny", status=200, outcome="ok", reason=None,
+    prompt_tokens=16, max_tokens_asked=10**30, max_tokens=32, truncated_tokens=None, queue_ms=1.5, engine="e0",
+    ttft_ms=None, duration_ms=20.0, completion_tokens=32, trace_id=None,
+)
+STATE = State(
+    (EngineState(False, None, "http://e0", error_data(errors.UpstreamHung("hung", retry_after=5.0)), True, "fp",
+                 (ServedModel("tiny", "/m", 2048, None),)),
+     EngineState(True, "no progress", "http://e1", None, False, None, None)),
+    (SupervisorState("ready", 5.0, "http://e0"),), Capacity(512, 16, "engine"), True,
+)
+EVERY_KIND: list[Message] = [
+    Admit(1, BOOKING, Charge("search", 16, 64)), Admit(2, BOOKING, None), Withdraw(3),
+    Progress({1: 40, 2: 7}, {0: (1, -2, 3)}, {0: "fp", 1: None}), Release(4, True, 30), End(5, 12.5),
+    Rejected("search", "queue_full"), Serving(), Access(RECORD),
+    MetricsReply(6, (["vllm_guard_requests", "counter", "doc", "", [["x_total", {"route": "chat"}, 3.0]]],)),
+    Admitted(7, 0.5, {"x-ratelimit-remaining-requests": "3"}, Target("e0", 0, None)), Admitted(8, 0.0, {}, None),
+    Refused(9, error_data(errors.QueueFull("The queue is full.", retry_after=3.0)), {}), Refused(10, None, {}),
+    STATE, MetricsAsk(11), Alive(),
+]
+
+
+def through(message: Message) -> Message:
+    return decode(orjson.loads(orjson.dumps(encode(message), option=orjson.OPT_NON_STR_KEYS)))
+
+
+@pytest.mark.parametrize("message", EVERY_KIND, ids=lambda m: type(m).__name__)
+def test_every_kind_of_message_crosses_as_itself(message: Message) -> None:
+    back = through(message)
+    if isinstance(message, Admit):  # the ids arrive as 64-bit integers: compared as numbers
+        assert isinstance(back, Admit) and back.booking.prefix is not None and BOOKING.prefix is not None
+        assert list(back.booking.prefix.ids) == list(BOOKING.prefix.ids)
+        assert back.booking.prefix.salt == "tiny" and back.key == message.key and back.charge == message.charge
+        return
+    assert back == message
+
+
+MALFORMED = {
+    "not a frame": {"type": "end", "id": 1},
+    "an unknown kind": ["promote", []],
+    "too few fields": ["end", [1]],
+    "too many fields": ["end", [1, 2.0, 3]],
+    "a string key": ["withdraw", ["client-id"]],
+    "a bool for an int": ["withdraw", [True]],
+    "a number for a bool": ["release", [1, 1, 3]],
+    "a string header": ["admitted", [1, 0.0, {"a": 1}, None]],
+    "an engine index that is no number": ["progress", [{}, {"zero": [1, 2, 3]}, {}]],
+    "a move of two counts": ["progress", [{}, {"0": [1, 2]}, {}]],
+    "an id that is no integer": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, [[1, "2"], ""], [], "", None, 0], None]],
+    "an id past 64 bits": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, [[2**63], ""], [], "", None, 0], None]],
+}
+
+
+@pytest.mark.parametrize("frame", MALFORMED.values(), ids=MALFORMED.keys())
+def test_a_message_whose_fields_are_not_of_their_types_is_refused(frame: object) -> None:
+    with pytest.raises(Malformed):
+        decode(orjson.loads(orjson.dumps(frame)))
+
+
+@pytest.mark.parametrize(
+    ("frame", "droppable"),
+    [(["rejected", ["t", 1]], True), (["access", [[1]]], True), (["release", [1, "yes", 3]], False)],
+)
+def test_only_what_nothing_waits_on_may_be_dropped(frame: object, droppable: bool) -> None:
+    with pytest.raises(Malformed) as caught:
+        decode(frame)
+    assert caught.value.droppable is droppable
+
 
 ERRORS = [
     errors.QueueFull("The queue is full (1024 waiting).", retry_after=3.0),
@@ -20,14 +124,16 @@ ERRORS = [
 
 @pytest.mark.parametrize("error", ERRORS, ids=[type(e).__name__ for e in ERRORS])
 def test_an_error_crosses_as_the_same_class_with_the_same_fields(error: errors.GatewayError) -> None:
-    back = error_from_json(error_to_json(error))
+    refused = through(Refused(1, error_data(error), {}))
+    assert isinstance(refused, Refused) and refused.error is not None
+    back = error_of(refused.error)
     assert type(back) is type(error)
     assert vars(back) == vars(error) and str(back) == str(error)
     assert (back.code, back.reason, back.client_fault) == (error.code, error.reason, error.client_fault)
 
 
 def test_an_unknown_class_becomes_a_retryable_unavailable() -> None:
-    back = error_from_json({"class": "SomethingElse", "fields": {"message": "boom"}})
+    back = error_of(ErrorData("SomethingElse", {"message": "boom"}))
     assert isinstance(back, errors.UpstreamUnavailable) and back.retry_after == 1 and back.message == "boom"
 
 
@@ -35,9 +141,13 @@ def test_an_unknown_class_becomes_a_retryable_unavailable() -> None:
     ("prefix", "crosses"),
     [
         (None, None),
-        (PromptPrefix((1, 2, 3), "tiny"), PromptPrefix((1, 2, 3), "tiny")),
+        (PromptPrefix((1, 2, 3), "tiny"), [1, 2, 3]),
         (PromptPrefix((1, 2**64), "tiny"), None),  # no engine accepts it; its blocks are never shared
+        (PromptPrefix((1, "2"), "tiny"), None),  # type: ignore[arg-type]
     ],
 )
-def test_a_prompts_ids_cross_as_they_are(prefix: PromptPrefix | None, crosses: PromptPrefix | None) -> None:
-    assert prefix_from_json(prefix_to_json(prefix)) == crosses
+def test_a_prompts_ids_cross_as_they_are(prefix: PromptPrefix | None, crosses: list[int] | None) -> None:
+    admit = through(Admit(1, Booking("r", 3, 1, 1, 0, "t", 1.0, crossing_prefix(prefix), (), "", None, 0), None))
+    assert isinstance(admit, Admit)
+    got = admit.booking.prefix
+    assert (None if got is None else list(got.ids)) == crosses

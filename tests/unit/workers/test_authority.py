@@ -1,0 +1,179 @@
+"""The authority's side of one worker's channel: requests held by the worker's keys (never the client's id), each
+charged to its tenant and each released; a worker gone gives back every reservation it held and takes its
+streams out of the engine's view."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+import pytest
+
+from gateway.engine.progress import ProgressDetector
+from gateway.tenants import Grant
+from gateway.workers.authority import Authority, WorkerLink
+from gateway.workers.messages import (
+    Admit,
+    Admitted,
+    Booking,
+    Charge,
+    End,
+    Message,
+    Progress,
+    Release,
+    Withdraw,
+    decode,
+    encode,
+)
+
+
+class Booked:
+    """A reservation as the grant enters it: held between entering and leaving, released once."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.target = None
+        self.queue_ms = 0.0
+        self.held = False
+        self.released: bool | None = None  # completed, once released
+
+    async def __aenter__(self) -> Booked:
+        self.held = True
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.held = False
+
+    def observe_output_tokens(self, generated: int) -> None:
+        pass
+
+    def release(self, *, completed: bool = True) -> None:
+        if self.released is None:
+            self.released = completed
+        self.held = False
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        pass
+
+    def sent(self) -> list[Message]:
+        out, at = [], 0
+        while at < len(self.data):
+            (length,) = struct.unpack_from(">I", self.data, at)
+            out.append(decode(orjson.loads(bytes(self.data[at + 4 : at + 4 + length]))))
+            at += 4 + length
+        self.data.clear()
+        return out
+
+
+class Tenants:
+    def __init__(self) -> None:
+        self.charged: list[Charge] = []
+        self.usage = SimpleNamespace(rejected=lambda tenant, reason: None)
+
+    async def check(self, tenant: str, *, prompt_tokens: int, output_tokens: int) -> Grant:
+        self.charged.append(Charge(tenant, prompt_tokens, output_tokens))
+        return Grant.unlimited()
+
+
+class Counts:
+    def seen(self, worker: object, families: Any) -> None:
+        pass
+
+    def lost(self, worker: object) -> None:
+        pass
+
+
+@pytest.fixture
+async def world() -> SimpleNamespace:
+    booked: list[Booked] = []
+
+    def reservation(**kw: Any) -> Booked:
+        booked.append(Booked(kw["request_id"]))
+        return booked[-1]
+
+    progress = ProgressDetector(15.0)
+    engine = SimpleNamespace(progress=progress, fingerprint=SimpleNamespace(learn=lambda value: None))
+    tenants = Tenants()
+    parts = SimpleNamespace(
+        admission=SimpleNamespace(reservation=reservation, budget_blocks=lambda: None),
+        tenants=tenants, every_engine=lambda: [engine],
+    )
+    authority = Authority(parts, Path("/nonexistent"))  # type: ignore[arg-type]
+    authority.counts = Counts()  # type: ignore[assignment]
+    link = WorkerLink(parts, authority)  # type: ignore[arg-type]
+    authority.links.add(link)
+    wire = Transport()
+    link.channel.connection_made(wire)  # type: ignore[arg-type]
+    return SimpleNamespace(link=link, wire=wire, booked=booked, tenants=tenants, progress=progress)
+
+
+def booking(rid: str) -> Booking:
+    return Booking(rid, 16, 32, 1, 0, "search", 1.0, None, (), "tiny/completions", None, 0)
+
+
+def receive(world: SimpleNamespace, *messages: Message) -> None:
+    body = b"".join(struct.pack(">I", len(b := orjson.dumps(encode(m), option=orjson.OPT_NON_STR_KEYS))) + b
+                    for m in messages)
+    world.link.channel.data_received(body)
+
+
+async def turns(n: int = 5) -> None:
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+async def test_two_requests_with_one_client_id_are_each_charged_held_and_released(world: SimpleNamespace) -> None:
+    charge = Charge("search", 16, 32)
+    receive(world, Admit(1, booking("retry-1"), charge), Admit(2, booking("retry-1"), charge))
+    await turns()
+    assert [b.held for b in world.booked] == [True, True] and [b.request_id for b in world.booked] == ["retry-1"] * 2
+    assert world.tenants.charged == [charge, charge]
+    assert [(m.key, type(m)) for m in world.wire.sent()] == [(1, Admitted), (2, Admitted)]
+    receive(world, Release(1, True, 30), End(1, 0.0), Release(2, False, 3), End(2, 0.0))
+    await turns()
+    assert [b.released for b in world.booked] == [True, False] and not any(b.held for b in world.booked)
+    assert world.link.requests == {}
+
+
+async def test_a_withdrawn_request_gives_its_reservation_back(world: SimpleNamespace) -> None:
+    receive(world, Admit(1, booking("r"), None))
+    await turns()
+    receive(world, Withdraw(1), End(1, 0.0))
+    await turns()
+    assert not world.booked[0].held and world.link.requests == {}
+
+
+async def test_a_worker_gone_gives_back_every_reservation_it_held(world: SimpleNamespace) -> None:
+    receive(world, *(Admit(key, booking("same"), None) for key in (1, 2, 3)))
+    await turns()
+    assert all(b.held for b in world.booked)
+    world.link.channel.connection_lost(None)
+    await turns()
+    assert not any(b.held for b in world.booked) and world.link.requests == {}
+    assert world.link not in world.link.authority.links
+
+
+async def test_a_worker_gone_takes_its_streams_out_of_the_engines_view(world: SimpleNamespace) -> None:
+    progress: ProgressDetector = world.progress
+    progress.opened()  # the authority's own stream
+    receive(world, Progress({}, {0: (3, 10, 0)}, {}), Progress({}, {0: (-1, 4, 1)}, {}))
+    assert progress.in_flight == 3
+    world.link.channel.connection_lost(None)
+    assert progress.in_flight == 1
+    progress.closed()
+    assert progress.in_flight == 0 and not progress.has_work()  # idle: judged and probed no more
