@@ -4,7 +4,7 @@
 # everything that is wrong; the exit status is non-zero when any step failed.
 #
 #   scripts/test.sh                      everything
-#   scripts/test.sh -m 'not e2e' -x      extra arguments go to pytest
+#   scripts/test.sh -m 'not e2e' -x      extra arguments go to pytest (and skip the workers matrix)
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,6 +32,29 @@ case "$rc" in
     5) echo "test: pytest collected no tests (exit 5); treating that as a failure" >&2; failed+=("pytest(no tests)") ;;
     *) failed+=("pytest(exit $rc)") ;;
 esac
+
+# The workers matrix: the suites that cross the admission authority's channel (admission, tenants, the hostile
+# clients and upstreams, stream usage, the access log) once more with every gateway split into the authority and
+# a worker process (tests/support/harness.py). Only on a whole run: extra arguments choose a part of the suite.
+WORKERS_SUITES=(
+    tests/integration/hostile
+    tests/integration/test_admission_flood.py
+    tests/integration/test_fair_queueing.py
+    tests/integration/test_tenants.py
+    tests/integration/test_stream_usage.py
+    tests/integration/test_access_log.py
+)
+if [ "$#" -eq 0 ]; then
+    echo "test: pytest with VLLM_GUARD_TEST_WORKERS=2 ${WORKERS_SUITES[*]}"
+    VLLM_GUARD_TEST_WORKERS=2 "$PY" -m pytest -q "${WORKERS_SUITES[@]}"
+    rc=$?
+    case "$rc" in
+        0) ;;
+        5) echo "test: the workers matrix collected no tests (exit 5); treating that as a failure" >&2
+           failed+=("pytest-workers(no tests)") ;;
+        *) failed+=("pytest-workers(exit $rc)") ;;
+    esac
+fi
 
 echo "test: ruff check"
 "$ROOT/.venv/bin/ruff" check . || failed+=("ruff")
