@@ -1,8 +1,9 @@
 """The one shared HTTP client to each upstream vLLM.
 
-Built on ``engine/wire.py`` (asyncio protocols and the httptools parser), chosen by measurement: aiohttp cost
-~230 us of the gateway's CPU per short request more (docs/overhead.md), httpx's own pool more still
-(docs/http-client.md). Transport failures become ``GatewayError``s here and in ``wire.py``, nowhere else.
+Built on ``engine/wire.py``, ``connection.py`` and ``pool.py`` (asyncio protocols and the httptools parser),
+chosen by measurement: aiohttp cost ~230 us of the gateway's CPU per short request more (docs/overhead.md), httpx's
+own pool more still (docs/http-client.md). Transport failures become ``GatewayError``s here and in those modules,
+nowhere else. A request is sent a second time only when the upstream cannot have read the first (``open``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from urllib.parse import quote, unquote, urlencode, urlsplit
 import orjson
 
 from gateway.config import Settings
+from gateway.engine.connection import Connection
+from gateway.engine.pool import Pool
 from gateway.engine.vllm_api import upstream_error_from
-from gateway.engine.wire import UNREACHABLE_RETRY_AFTER, BufferSink, Exchange, Pool, Sink
+from gateway.engine.wire import UNREACHABLE_RETRY_AFTER, BufferSink, Exchange, Sink, UpstreamLost
 from gateway.errors import BadUpstreamResponse, UpstreamTimeout, UpstreamUnavailable
 from gateway.redact import redact_url, redact_urls_in
 
@@ -188,45 +191,53 @@ class Upstream:
         params: Mapping[str, str] | None = None,
         timeout: float | None = None,
         connect_within: float | None = None,
+        resend: bool = True,
     ) -> UpstreamStream:
-        """Send a request and return once the response headers arrived; the caller closes it. A new connection
-        may take ``--connect-timeout``, or ``connect_within`` seconds when longer (a guarded request waits for an
-        engine whose API server accepts late, a starved host's, within the request's own time)."""
+        """Send a request and return once the response headers arrived; the caller closes it. A connection (a
+        free place in the pool, or a new one) may take ``--connect-timeout``, or ``connect_within`` seconds when
+        longer (a guarded request waits for an engine whose API server accepts late, a starved host's, within
+        the request's own time).
+
+        Sent once more, on a new connection, only when the upstream cannot have read it: a pooled connection
+        lost before the request's last byte went out (or a GET, which changes nothing, lost before its answer
+        began: the engine's idle timeout and ours race). Never on a new connection, and never when ``resend``
+        is false (the pipeline's failover is the one resend then). The ``UpstreamLost`` of a resent request says
+        so (``resent``)."""
         pool, target = self._pool()
         request = self._head(target, method, path, params, headers, body)
         s = self._settings
         total = timeout if timeout is not None else s.request_timeout
         deadline = pool.loop.time() + total
+        within = min(max(s.connect_timeout, connect_within or 0.0), total)
         for attempt in (1, 2):
             exchange = Exchange(deadline, s.read_timeout)
             exchange.limit = total
-            try:
-                connecting = max(s.connect_timeout, connect_within or 0.0)
-                conn, _pooled = await pool.connection(reuse=attempt == 1, timeout=min(connecting, total))
-            except TimeoutError as exc:
-                raise self._timeout(total) from exc
-            except OSError as exc:
-                raise UpstreamUnavailable(
-                    f"The upstream at {redact_url(self.base_url)} cannot be reached "
-                    f"({redact_urls_in(str(exc))}).",
-                    retry_after=UNREACHABLE_RETRY_AFTER,
-                ) from exc
+            conn, pooled = await self._connection(pool, attempt == 1, within, total)
             conn.send(exchange, request)
             try:
                 await exchange.head
-            except UpstreamUnavailable:
-                if attempt == 2 or exchange.got_bytes:
-                    raise
-                # Closed before any answer, most often a pooled connection the engine closed as the request went
-                # out (its idle timeout and ours race under load): it never saw the request whole, so it ran
-                # nothing. Sent once more, on a new connection.
-                log.info("the upstream closed a connection as a request went out; sending it again")
-                continue
+            except UpstreamLost as exc:
+                if attempt == 1 and resend and pooled and (not exc.may_have_read or method == "GET"):
+                    log.info("the upstream closed a pooled connection as a request went out; sending it again")
+                    continue
+                exc.resent = attempt == 2
+                raise
             except asyncio.CancelledError:
                 exchange.close()
                 raise
             return UpstreamStream(exchange)
         raise AssertionError("unreachable: the second attempt returns or raises")
+
+    async def _connection(self, pool: Pool, reuse: bool, within: float, total: float) -> tuple[Connection, bool]:
+        try:
+            return await pool.connection(reuse, within)
+        except TimeoutError as exc:
+            raise self._timeout(total) from exc
+        except OSError as exc:
+            raise UpstreamUnavailable(
+                f"The upstream at {redact_url(self.base_url)} cannot be reached ({redact_urls_in(str(exc))}).",
+                retry_after=UNREACHABLE_RETRY_AFTER,
+            ) from exc
 
     def _timeout_of(self, exchange: Exchange) -> UpstreamTimeout:
         return self._timeout(exchange.limit)

@@ -29,13 +29,14 @@ DP_RANK_HEADER = "x-data-parallel-rank"
 
 async def open_upstream(
     parts: Parts, engine: Engine[Models], path: str, body: bytes, rid: str, rank: int | None = None,
-    trace: Mapping[str, str] | None = None, patience: float | None = None,
+    trace: Mapping[str, str] | None = None, patience: float | None = None, *, resend: bool = True,
 ) -> UpstreamStream:
     """The upstream's answer once its status is 200 (its error, normalised, otherwise); counted in flight
     until closed by the caller. ``patience``: seconds the request may wait for a connection (an engine whose
     API server accepts late is waited on within the request's own time, not failed at --connect-timeout);
     ``rank``: the data-parallel engine behind ``engine``'s URL to run it on;
-    ``trace``: the W3C trace headers that make the engine's spans children of the gateway's exchange."""
+    ``trace``: the W3C trace headers that make the engine's spans children of the gateway's exchange;
+    ``resend``: whether the client may send it once more when the engine cannot have read it (``Upstream.open``)."""
     parts.metrics.in_flight.inc()
     progress = engine.progress
     progress.opened()
@@ -44,7 +45,9 @@ async def open_upstream(
         headers[DP_RANK_HEADER] = str(rank)
     try:
         with progress.interruptible():  # refused while the engine is hung, cut if it hangs meanwhile
-            stream = await engine.client.open("POST", path, body=body, headers=headers, connect_within=patience)
+            stream = await engine.client.open(
+                "POST", path, body=body, headers=headers, connect_within=patience, resend=resend
+            )
     except BaseException:
         parts.metrics.in_flight.dec()
         progress.closed()

@@ -26,6 +26,7 @@ from gateway.admission import Reservation
 from gateway.engine.sse import require_event_stream
 from gateway.engine.usage import EVERYTHING, UsageAsk
 from gateway.engine.vllm_api import ModelList
+from gateway.engine.wire import UpstreamLost
 from gateway.errors import GatewayError, UpstreamError, UpstreamUnavailable
 from gateway.guard import exchange, offload, planning, pooling
 from gateway.guard.context import Booking, Reply, RequestContext
@@ -139,7 +140,9 @@ async def admit_and_exchange(
 ) -> AsyncGenerator[Reply, None]:
     """Hold a reservation (waiting in the queue if need be) for the exchange with the engine it was placed on.
     A request that engine failed before anything reached the client is sent once more: to another engine when
-    there are several (failover), else, in managed mode, to the engine after its restart."""
+    there are several (failover), else, in managed mode, to the engine after its restart. Once at most, the
+    client's own resend included: a request its client sent twice is never sent again, and the second attempt
+    is never resent by the client."""
     answered = False  # a stream that breaks after its head is never sent again
     avoid: frozenset[str] = frozenset()
     for attempt in (1, 2):
@@ -157,7 +160,9 @@ async def admit_and_exchange(
                 ctx.outcome.queue_ms += waited_ms
                 ctx.trace.admitted(waited_ms)
                 with ctx.trace.stage("exchange", engine_attributes(reservation)):
-                    async for piece in exchange_with_engine(parts, ctx, body, booking, reservation, ask):
+                    async for piece in exchange_with_engine(
+                        parts, ctx, body, booking, reservation, ask, resend=attempt == 1
+                    ):
                         answered = True
                         yield piece
                 return
@@ -165,6 +170,8 @@ async def admit_and_exchange(
             ctx.outcome.ratelimit = grant.headers or ctx.outcome.ratelimit  # a refusal's, told by the authority
             if not isinstance(exc, UpstreamUnavailable | UpstreamError):
                 raise
+            if isinstance(exc, UpstreamLost) and exc.resent:
+                raise  # sent twice already (the upstream could not have read the first): never a third time
             target = reservation.target
             if not answered and attempt == 1 and target is not None and failover(parts, exc):
                 log.warning("request %s: engine %s failed under it (%s); sending it to another", ctx.request_id,
@@ -185,7 +192,7 @@ async def admit_and_exchange(
 
 async def exchange_with_engine(
     parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, reservation: Reservation,
-    ask: UsageAsk = EVERYTHING,
+    ask: UsageAsk = EVERYTHING, *, resend: bool = True,
 ) -> AsyncGenerator[Reply, None]:
     """Forward and read the answer whole, or open the stream and hand its events to the HTTP layer, holding
     the reservation until the HTTP layer closes this generator. Upstream errors raised here come before
@@ -198,7 +205,9 @@ async def exchange_with_engine(
     # The engine joins the trace: under the gateway's exchange span, or (tracing off) under the client's own.
     trace = ctx.trace.headers() or ctx.trace_carrier
     patience = ctx.deadline if ctx.deadline is not None else parts.settings.queue_timeout
-    stream = await exchange.open_upstream(parts, engine, ctx.path, body, ctx.request_id, rank, trace, patience)
+    stream = await exchange.open_upstream(
+        parts, engine, ctx.path, body, ctx.request_id, rank, trace, patience, resend=resend
+    )
     if not booking.stream:
         learner = reservation if booking.learns_output else None
         payload = await exchange.read_answer(parts, engine, ctx.route, stream, learner)

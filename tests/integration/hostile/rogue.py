@@ -37,8 +37,15 @@ MODES = (
     "ok", "reset", "close", "hang", "garbage", "not_http", "json_array", "json_scalar", "json_null", "empty_200",
     "gzip", "truncated", "bad_chunked", "bad_chunk_late", "huge_header", "broken_stream", "split_stream", "crlf_stream",
     "stream_no_done", "stream_json", "slow_stream", "error_503", "error_429", "error_405", "error_500_text",
-    "error_400_flat",
+    "error_400_flat", "endless_header", "endless_name", "endless_status", "surplus", "unasked", "long_stream",
 )
+# An endless head, by the part of it that never ends: what is written first, then written again and again.
+ENDLESS = {
+    "endless_header": (b"HTTP/1.1 200 OK\r\nx-endless: ", b"v"),
+    "endless_name": (b"HTTP/1.1 200 OK\r\nx-", b"n"),
+    "endless_status": (b"HTTP/1.1 200 ", b"r"),
+}
+ENDLESS_BYTES = 48 * 1024 * 1024  # written unless the client drops the connection before
 _MODE = re.compile(rb"rogue:([a-z0-9_]+)")
 _METRICS = (
     "# TYPE vllm:cache_config_info gauge\n"
@@ -73,6 +80,22 @@ class Request:
 class Rogue:
     url: str = ""
     seen: list[Seen] = field(default_factory=list)
+    written: dict[str, int] = field(default_factory=dict)  # bytes an endless head wrote, by request id
+    accept_and_close: bool = False  # every new connection closed as soon as it is accepted
+    _server: _Server | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    @contextlib.contextmanager
+    def closing_new_connections(self) -> Iterator[None]:
+        """Every new connection accepted and closed at once; the kept-alive ones dropped first, so that the
+        gateway has to open new ones."""
+        assert self._loop is not None and self._server is not None
+        self.accept_and_close = True
+        asyncio.run_coroutine_threadsafe(self._server.drop_idle(), self._loop).result(5)
+        try:
+            yield
+        finally:
+            self.accept_and_close = False
 
     def requests_with_id(self, rid: str) -> list[Seen]:
         return [s for s in list(self.seen) if s.headers.get("x-request-id") == rid]
@@ -174,7 +197,7 @@ SSE_HEAD = [("content-type", "text/event-stream; charset=utf-8"), ("transfer-enc
 async def _stream(writer: asyncio.StreamWriter, req: Request, chat: bool) -> bool:
     """Answer a stream request by its mode; False when the connection must close afterwards."""
     mode = req.mode
-    events = sse_events(chat)
+    events = sse_events(chat, 20 if mode == "long_stream" else 3)
     if mode == "gzip":
         body = gzip.compress(b"".join(events))
         writer.write(_full(200, body, "text/event-stream", [("content-encoding", "gzip")]))
@@ -208,7 +231,23 @@ async def _stream(writer: asyncio.StreamWriter, req: Request, chat: bool) -> boo
     return True
 
 
-async def _answer(writer: asyncio.StreamWriter, req: Request) -> bool:
+async def _endless(writer: asyncio.StreamWriter, req: Request, rogue: Rogue) -> None:
+    head, fill = ENDLESS[req.mode]
+    piece = fill * 65536
+    written = len(head)
+    writer.write(head)
+    try:
+        while written < ENDLESS_BYTES and not writer.transport.is_closing():
+            writer.write(piece)
+            written += len(piece)
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        rogue.written[req.headers.get("x-request-id", "")] = written
+
+
+async def _answer(writer: asyncio.StreamWriter, req: Request, rogue: Rogue) -> bool:
     """Write the answer for one request; False when the connection must close afterwards."""
     if req.method == "GET" and req.target == "/metrics":
         writer.write(_full(200, _METRICS, "text/plain; version=0.0.4"))
@@ -242,6 +281,14 @@ async def _answer(writer: asyncio.StreamWriter, req: Request) -> bool:
         await asyncio.sleep(0.2)
         writer.write(b"zz\r\nnot a chunk\r\n")
         return False
+    if mode in ENDLESS:
+        await _endless(writer, req, rogue)
+        return False
+    if mode in ("surplus", "unasked"):  # the connection kept alive: the gateway must not reuse it
+        body = completion_body(chat)
+        # 7 bytes past the Content-Length, or a whole second answer nobody asked for, in the same write.
+        writer.write(_full(200, body) + (b"surplus" if mode == "surplus" else _full(200, completion_body(chat))))
+        return True
     if mode == "huge_header":
         writer.write(_full(200, completion_body(chat), extra=[("x-huge", "h" * 70_000)]))
         return False
@@ -299,16 +346,28 @@ class _Server:
     def __init__(self, rogue: Rogue) -> None:
         self.rogue = rogue
         self.writers: set[asyncio.StreamWriter] = set()
+        self.idle: set[asyncio.StreamWriter] = set()  # waiting for a next request
+
+    async def drop_idle(self) -> None:
+        for writer in list(self.idle):
+            writer.transport.abort()
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.rogue.accept_and_close:
+            writer.close()
+            return
         self.writers.add(writer)
         try:
             while True:
-                req = await _read_request(reader)
+                self.idle.add(writer)
+                try:
+                    req = await _read_request(reader)
+                finally:
+                    self.idle.discard(writer)
                 if req is None:
                     break
                 self.rogue.seen.append(Seen(req.method, req.target, req.headers, req.body))
-                keep = await _answer(writer, req)
+                keep = await _answer(writer, req, self.rogue)
                 if writer.transport.is_closing():
                     break
                 await writer.drain()
@@ -334,6 +393,7 @@ def run_rogue() -> Iterator[Rogue]:
     rogue.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     loop = asyncio.new_event_loop()
     server = _Server(rogue)
+    rogue._server, rogue._loop = server, loop
     started = threading.Event()
     stop: asyncio.Event | None = None
 

@@ -1,10 +1,14 @@
 """A misbehaving upstream: resets, hangs, garbage, a JSON array, gzip, broken and oddly framed streams, its own
-errors with Retry-After. The client always gets an answer in OpenAI's shape (a stream: whole events, and an
-error event only between events), and what the gateway sends upstream is exactly what the client sent."""
+errors with Retry-After; endless heads, bytes behind an answer, a POST read and dropped, connections closed as
+they open. The client always gets an answer in OpenAI's shape (a stream: whole events, and an error event only
+between events), at once where the upstream's fault is plain; what the gateway sends upstream is exactly what
+the client sent, once; and the next request is never harmed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +16,7 @@ import pytest
 
 from .checks import (
     Case,
+    RawResponse,
     Target,
     check_answer,
     error_of,
@@ -22,7 +27,7 @@ from .checks import (
     statuses,
 )
 from .conftest import UPSTREAM_KEY
-from .rogue import Rogue
+from .rogue import ENDLESS, ENDLESS_BYTES, Rogue
 
 UNAVAILABLE = statuses(502, 503)
 # /detokenize stands for the pass-through routes (/tokenize is answered by the gateway when it has the tokenizer).
@@ -217,4 +222,84 @@ def test_json_reaches_the_upstream_exactly(rogue_gw: Target, rogue: Rogue, route
     assert received == body
     if "prompt" in extra:
         assert received["prompt"] == extra["prompt"]
+    rogue_gw.still_well()
+
+
+# -- the upstream's connection misbehaving: every case answered at once, nothing sent twice, the next unharmed --
+@pytest.mark.parametrize("mode", list(ENDLESS))
+def test_an_endless_answer_head_is_a_prompt_502_and_its_connection_is_dropped(
+    rogue_gw: Target, rogue: Rogue, mode: str
+) -> None:
+    rid = f"endless-{mode}"
+    t0 = time.monotonic()
+    r = rogue_gw.client.post(PATHS["chat"], json=body_for("chat", mode), headers={"x-request-id": rid})
+    took = time.monotonic() - t0
+    check_answer(r.status_code, r.content, Case(mode, status=statuses(502), code="bad_upstream_response"))
+    assert took < 3.0, f"{mode}: answered after {took:.1f} s"
+    deadline = time.monotonic() + 10
+    while rid not in rogue.written:  # the upstream stops writing once the gateway has dropped the connection
+        assert time.monotonic() < deadline, "the upstream still writes its endless head"
+        time.sleep(0.05)
+    assert rogue.written[rid] < ENDLESS_BYTES // 3, rogue.written[rid]
+    rogue_gw.still_well()
+
+
+def completion_events(r: RawResponse | None) -> list[Any]:
+    assert r is not None and r.status == 200, r
+    events = [event_data(e) for e in sse_events(r.body)]
+    assert not [e for e in events if isinstance(e, dict) and "error" in e], events
+    return events
+
+
+@pytest.mark.parametrize("mode", ["surplus", "unasked"], ids=["7 bytes past its length", "an unasked answer behind"])
+async def test_an_answer_with_bytes_behind_it_is_served_and_the_next_requests_are_unharmed(
+    rogue_gw: Target, mode: str
+) -> None:
+    headers = {"content-type": "application/json", "connection": "close"}
+    # Several at once, so that several connections carry bytes behind an answer (the engine view's scrapes take
+    # pooled connections too).
+    first = request_bytes("POST", PATHS["chat"], headers, json.dumps(body_for("chat", mode)).encode())
+    for r in await asyncio.gather(*(raw_exchange(rogue_gw.url, first) for _ in range(4))):
+        assert r is not None and r.status == 200, r
+        assert json.loads(r.body)["choices"][0]["message"]["content"] == "fine", r.body
+    stream = request_bytes("POST", PATHS["chat"], headers, json.dumps(body_for("chat", "long_stream", stream=True))
+                           .encode())
+    plain = request_bytes("POST", PATHS["completions"], headers, json.dumps(body_for("completions", "ok")).encode())
+    for _ in range(3):  # at once: two requests that must never share the connection the answer came on
+        streamed, answered = await asyncio.gather(raw_exchange(rogue_gw.url, stream), raw_exchange(rogue_gw.url, plain))
+        events = completion_events(streamed)
+        assert len(events) == 21 and events[-1] == "[DONE]", events
+        assert answered is not None and answered.status == 200, answered
+        assert json.loads(answered.body)["choices"][0]["text"] == "fine"
+    rogue_gw.still_well()
+
+
+@pytest.mark.parametrize(("route", "mode", "stream"), [
+    ("chat", "close", False), ("chat", "reset", False), ("completions", "close", False), ("chat", "close", True),
+], ids=["chat closed", "chat reset", "completions closed", "chat stream closed"])  # fmt: skip
+def test_a_post_the_upstream_read_and_closed_on_is_a_503_and_never_sent_again(
+    rogue_gw: Target, rogue: Rogue, route: str, mode: str, stream: bool
+) -> None:
+    for i in range(2):  # on a new connection, then (the gateway holding idle ones) on a pooled one
+        rid = f"once-{route}-{mode}-{stream}-{i}"
+        r = rogue_gw.client.post(PATHS[route], json=body_for(route, mode, stream=stream),
+                                 headers={"x-request-id": rid})
+        check_answer(r.status_code, r.content, Case(rid, status=statuses(503)))
+        assert float(r.headers["retry-after"]) > 0
+        assert len(rogue.requests_with_id(rid)) == 1, f"{rid}: the upstream read it more than once"
+    rogue_gw.still_well()
+
+
+def test_an_upstream_that_closes_each_new_connection_at_once_is_a_503_with_retry_after(
+    rogue_gw: Target, rogue: Rogue
+) -> None:
+    with rogue.closing_new_connections():
+        for i in range(3):
+            r = rogue_gw.client.post(PATHS["chat"], json=body_for("chat", "ok"))
+            check_answer(r.status_code, r.content, Case(f"closed at once {i}", status=statuses(503)))
+            assert float(r.headers["retry-after"]) > 0
+    deadline = time.monotonic() + 15
+    while rogue_gw.client.post(PATHS["chat"], json=body_for("chat", "ok")).status_code != 200:
+        assert time.monotonic() < deadline, "the gateway did not come back once the upstream took connections again"
+        time.sleep(0.1)
     rogue_gw.still_well()
