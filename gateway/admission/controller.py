@@ -130,20 +130,20 @@ class Admission:
         return largest[0] if (largest := self._sites.largest()) is not None else None
 
     def reservation(
-        self, *, prompt_tokens: int, max_tokens: int, n: int, priority: int, request_id: str,
-        tenant: str = "default", weight: float = 1.0, prefix: PromptPrefix | None = None,
-        avoid: frozenset[str] = frozenset(), family: str = "", deadline: float | None = None, min_output: int = 0,
+        self, *, prompt_tokens: int, max_tokens: int, n: int, priority: int, request_id: str, tenant: str = "default",
+        weight: float = 1.0, prefix: PromptPrefix | None = None, avoid: frozenset[str] = frozenset(), family: str = "",
+        deadline: float | None = None, min_output: int = 0, objective: float | None = None,
     ) -> Reservation:
         """``avoid``: engines (by name) it must not go to while another can take it; ``family``: its served model
         and route (whose answers' lengths it is booked from); ``deadline``: seconds it may wait at most, when the
         client says fewer than ``--queue-timeout``; ``min_output``: output tokens per sequence it surely
-        generates."""
+        generates; ``objective``: its own TTFT objective in seconds, judged at arrival as ``--ttft-objective``."""
         self._capacity()  # settles the block size the need is counted in
         return Reservation(
             self, prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, priority=priority,
             request_id=request_id, block_size=self._block_size, clock=self._clock,
             checkpoint_spacing=self._checkpoint_spacing, tenant=tenant, weight=weight, prefix=prefix, avoid=avoid,
-            family=family, deadline=deadline, min_output=min_output,
+            family=family, deadline=deadline, min_output=min_output, objective=objective,
         )
 
     def pause(self) -> None:

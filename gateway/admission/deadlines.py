@@ -1,11 +1,12 @@
 """Deadlines: how long a request may wait in the gateway's queue, given when its client wants a first token.
 
 A request's own deadline is the earliest of what its client says (``x-guard-deadline-ms``, or the OpenAI SDKs'
-``x-stainless-read-timeout``: a client that gives up at 30 s gains nothing from a first token at 31 s) and the
-operator's ``--ttft-objective SECONDS``, or, by default (``auto``), the objective the gateway derives while an
-overload is sustained (``sustained``). Its first token comes after its wait in the queue *and* the engine's own time to
-a first token once admitted (prefill queued ahead of it inside the engine, and the steps of the batch it joins),
-so the queue may hold it for its deadline less that engine time, and never past ``--queue-timeout``.
+``x-stainless-read-timeout``: a client that gives up at 30 s gains nothing from a first token at 31 s), its own TTFT
+objective (the llm-d router's ``x-llm-d-slo-ttft-ms``), and the operator's ``--ttft-objective SECONDS``, or, by
+default (``auto``), the objective the gateway derives while an overload is sustained (``sustained``). Its first
+token comes after its wait in the queue *and* the engine's own time to a first token once admitted (prefill queued
+ahead of it inside the engine, and the steps of the batch it joins), so the queue may hold it for its deadline less
+that engine time, and never past ``--queue-timeout``.
 
 The engine's time to first token is learned from the streams the gateway relays: from a request's admission to
 its first streamed token (``FirstTokens``; a non-streamed answer reports its tokens only at the end, and is not a
@@ -15,8 +16,8 @@ and a figure learned under a load that has gone would otherwise refuse requests 
 
 A request whose deadline leaves it no time to wait is refused as it arrives (503 ``deadline``), and one forecast
 to wait past it is refused at once by the forecast (``forecast``), with a computed ``Retry-After``. An objective
-(the operator's or the derived one) is the gateway's aim rather than the client's deadline: it judges a request
-only as it arrives, and one it queued waits on, within the client's own deadline and ``--queue-timeout``
+(the request's own, the operator's or the derived one) is an aim rather than the client's deadline: it judges a
+request only as it arrives, and one it queued waits on, within the client's own deadline and ``--queue-timeout``
 (``WaitLimit.then``), so that every refusal an objective makes comes at arrival. One that reaches the client's
 own deadline in the queue gets the same 503: a busy engine missed it, and later, less busy, it may not. A deadline
 below ``MIN_DEADLINE_SECONDS`` is another matter: no engine meets it, busy or idle, so it is the client's mistake,
@@ -50,6 +51,9 @@ class Deadlined(Protocol):
     @property
     def deadline(self) -> float | None: ...
 
+    @property
+    def objective(self) -> float | None: ...
+
 
 @dataclass(frozen=True)
 class WaitLimit:
@@ -61,8 +65,8 @@ class WaitLimit:
     engine_seconds: float  # the engine's time to a first token it allows for
     derived: bool = False  # the objective the gateway derives under a sustained overload sets it (``sustained``)
     backlogged: bool = False  # it arrived while a request queued before it had waited past the derived wait
-    # Where an objective (the operator's or the derived one) sets the wait, the limit that holds once the request is
-    # queued: the client's own deadline or ``--queue-timeout``. None: this one holds throughout.
+    # Where an objective (the request's own, the operator's or the derived one) sets the wait, the limit that holds
+    # once the request is queued: the client's own deadline or ``--queue-timeout``. None: this one holds throughout.
     then: WaitLimit | None = None
 
     @property
@@ -135,7 +139,8 @@ class Deadlines:
         return replace(limit, backlogged=backlogged, then=then)
 
     def _limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
-        own = [d for d in (r.deadline, self.objective) if d is not None]
+        # The request's own objective and the operator's are both aims: the earlier of them judges its arrival.
+        own = [d for d in (r.deadline, r.objective, self.objective) if d is not None]
         derived = self.sustained.applies(self._clock())
         if not own and not derived:
             return WaitLimit(self.queue_timeout, False, 0.0)

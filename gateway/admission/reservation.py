@@ -71,11 +71,14 @@ class Reservation:
         request_id: str, block_size: int, clock: Callable[[], float], checkpoint_spacing: float,
         tenant: str = "default", weight: float = 1.0, prefix: PromptPrefix | None = None,
         avoid: frozenset[str] = frozenset(), family: str = "", deadline: float | None = None,
-        min_output: int = 0,
+        min_output: int = 0, objective: float | None = None,
     ) -> None:
         self._admitter = admitter
         self.family = family  # served model and route: whose answers' lengths it is booked from (``lengths``)
         self.deadline = deadline  # seconds its client gives it to a first token, when it says (``deadlines``)
+        # Seconds to a first token it asks for as an objective (llm-d's ``x-llm-d-slo-ttft-ms``): judges its arrival
+        # only, as ``--ttft-objective`` does; its deadline still bounds its wait (``deadlines``).
+        self.objective = objective
         self.wait_limit: WaitLimit | None = None  # how long it may wait in the queue, set as it enters
         self.due: float | None = None  # when an objective wanted it admitted by, where one judged it as it arrived
         self._admitted_at: float | None = None

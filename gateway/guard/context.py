@@ -32,6 +32,7 @@ class RequestContext:
     tenant: str = "default"  # from the caller's key (the keys file); "default" for every other caller
     tenant_weight: float = 1.0
     deadline: float | None = None  # seconds the client gives it to a first token, when it says (``deadlines``)
+    objective: float | None = None  # seconds to a first token it asks for as an objective (``x-llm-d-slo-ttft-ms``)
     trace_carrier: dict[str, str] = field(default_factory=dict)  # the client's W3C trace headers, if any
     outcome: Outcome = field(init=False)
     trace: RequestTrace = field(init=False, default=OFF)  # the request's spans (no-op while tracing is off)

@@ -150,7 +150,7 @@ async def admit_and_exchange(
             prompt_tokens=booking.prompt_tokens, max_tokens=booking.max_tokens, n=booking.n,
             priority=ctx.priority, request_id=ctx.request_id, tenant=ctx.tenant, weight=ctx.tenant_weight,
             prefix=booking.prefix, avoid=avoid, family=f"{ctx.body.get('model')}/{ctx.route}",
-            deadline=ctx.deadline, min_output=booking.min_output,
+            deadline=ctx.deadline, min_output=booking.min_output, objective=ctx.objective,
         )
         try:
             # May wait for the tenant's KV share and in the queue, or shed with QueueFull / QueueTimeout.

@@ -1,5 +1,5 @@
-"""What the HTTP layer reads from a guarded request, once: its id, its key (authenticated), its priority and
-overflow policy headers, and its body, parsed. The result is the guard's ``RequestContext``."""
+"""What the HTTP layer reads from a guarded request, once: its id, its key (authenticated), its priority, deadline,
+objective and overflow policy headers, and its body, parsed. The result is the guard's ``RequestContext``."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ from gateway.http.body import BodyLimits, read_body
 from gateway.observe.tracing import carrier_of
 
 # (header, seconds per unit, its unit, the most accepted in its units): a day at most, as ms and as seconds.
-_DEADLINE_HEADERS = (
-    ("x-guard-deadline-ms", 0.001, "ms", 86_400_000.0), ("x-stainless-read-timeout", 1.0, "s", 86_400.0),
-)
+_IN_MS, _IN_S = (0.001, "ms", 86_400_000.0), (1.0, "s", 86_400.0)
+_DEADLINE_HEADERS = (("x-guard-deadline-ms", *_IN_MS), ("x-stainless-read-timeout", *_IN_S))
+# A TTFT objective the request brings (an aim judged at its arrival, not a deadline): the llm-d router's SLO header,
+# in milliseconds, else its deprecated name, which the router still reads when the new one is absent.
+_OBJECTIVE_HEADERS = (("x-llm-d-slo-ttft-ms", *_IN_MS), ("x-slo-ttft-ms", *_IN_MS))
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 # Request ids: one random prefix per process plus a counter. uuid4() reads os.urandom, which was measured
@@ -38,7 +40,7 @@ async def read_context(settings: Settings, request: Request, rid: str, route: st
     body = await offload.decode_body(await read_body(request, BodyLimits.of(settings)), decode_json)
     return RequestContext(
         rid, route, path, body, priority=priority(settings, request, caller.key, caller_priority(caller)),
-        deadline=deadline(request),
+        deadline=deadline(request), objective=objective(request),
         prompt_policy=prompt_policy(request, settings), tenant=caller.tenant_name,
         tenant_weight=caller.tenant.weight if caller.tenant is not None else 1.0,
         trace_carrier=carrier_of(request.headers),
@@ -81,6 +83,17 @@ def deadline(request: Request) -> float | None:
         if (seconds := _header_seconds(request, header, scale, unit, most)) is not None
     ]
     return min(found, default=None)
+
+
+def objective(request: Request) -> float | None:
+    """Seconds to a first token the request asks for as its own TTFT objective: the llm-d router's
+    ``x-llm-d-slo-ttft-ms`` (milliseconds), else its deprecated ``x-slo-ttft-ms``. Bounded as a deadline is (a
+    positive number of ms, at most a day, at least ``deadlines.MIN_DEADLINE_SECONDS``), else a 400 naming the
+    header: a router that sent a value the gateway cannot honour is told, not ignored."""
+    for header, scale, unit, most in _OBJECTIVE_HEADERS:
+        if (seconds := _header_seconds(request, header, scale, unit, most)) is not None:
+            return seconds
+    return None
 
 
 def _header_seconds(request: Request, header: str, scale: float, unit: str, most: float) -> float | None:

@@ -263,7 +263,7 @@ def _reservation(parts: Parts, b: Booking) -> Reservation:
     reservation: Reservation = parts.admission.reservation(
         prompt_tokens=b.prompt_tokens, max_tokens=b.max_tokens, n=b.n, priority=b.priority,
         request_id=b.request_id, tenant=b.tenant, weight=b.weight, prefix=b.prefix, avoid=frozenset(b.avoid),
-        family=b.family, deadline=b.deadline, min_output=b.min_output,
+        family=b.family, deadline=b.deadline, min_output=b.min_output, objective=b.objective,
     )
     return reservation
 

@@ -69,6 +69,7 @@ class Booking:
     avoid: tuple[str, ...]
     family: str
     deadline: float | None
+    objective: float | None
     min_output: int
 
 

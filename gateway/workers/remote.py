@@ -266,9 +266,9 @@ class RemoteAdmission:
     def reservation(self, *, prompt_tokens: int, max_tokens: int, n: int = 1, priority: int = 0,
                     request_id: str = "", tenant: str = "default", weight: float = 1.0, prefix: Any = None,
                     avoid: frozenset[str] = frozenset(), family: str = "", deadline: float | None = None,
-                    min_output: int = 0) -> RemoteReservation:
+                    min_output: int = 0, objective: float | None = None) -> RemoteReservation:
         booking = Booking(request_id, prompt_tokens, max_tokens, n, priority, tenant, weight, crossing_prefix(prefix),
-                          tuple(sorted(avoid)), family, deadline, min_output)
+                          tuple(sorted(avoid)), family, deadline, objective, min_output)
         return RemoteReservation(self._client, booking)
 
     def fit(self, prompt_tokens: int, max_tokens: int, n: int, *, clamp: bool, prefix_known: bool = False) -> int:

@@ -1,10 +1,12 @@
 """Deadlines through the real gateway in front of the vLLM simulator: a client's own deadline (x-guard-deadline-ms,
 or the OpenAI SDKs' x-stainless-read-timeout) shorter than --queue-timeout ends its wait with 503 deadline and a
-Retry-After; a bad deadline header is a 400 naming it; a queued request whose client has gone never reaches the
-engine (test_admission_flood's test_a_client_that_disconnects_while_queued_leaves_the_queue)."""
+Retry-After; a bad deadline header is a 400 naming it; a request's own TTFT objective (the llm-d router's
+x-llm-d-slo-ttft-ms) judges it as it arrives, as --ttft-objective does; a queued request whose client has gone never
+reaches the engine (test_admission_flood's test_a_client_that_disconnects_while_queued_leaves_the_queue)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -13,7 +15,14 @@ import pytest
 
 from tests.integration import test_admission_flood as flood_rig
 from tests.integration import test_overload as overload_rig
-from tests.integration.test_admission_flood import HOLDER, QUEUE_RIG, WAITER, completion, held_reservation
+from tests.integration.test_admission_flood import (
+    HOLDER,
+    QUEUE_RIG,
+    WAITER,
+    completion,
+    eventually,
+    held_reservation,
+)
 from tests.support.harness import GatewayServer
 from tests.support.vllm_sim import SimServer
 
@@ -85,6 +94,87 @@ async def test_a_deadline_no_engine_can_meet_is_a_400_naming_the_header_and_the_
     assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, header)
     assert "the least any engine can meet" in error["message"] and "retry-after" not in r.headers
     assert sim.sim.request_count == 0  # it never reached the engine
+
+
+OBJECTIVE = "x-llm-d-slo-ttft-ms"
+
+
+async def test_the_llm_d_routers_ttft_objective_refuses_at_arrival_what_the_engine_cannot_serve_within_it(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
+) -> None:
+    """Four streams in flight got their first tokens after an engine step of 0.25 s: a request whose own objective is
+    100 ms is refused as it arrives (503 deadline, Retry-After) and never reaches the engine; without the header, or
+    with an objective the engine can meet, the same request is served."""
+    sim = make_sim(token_delay=0.25)
+    gw = make_gateway(sim)
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        first_tokens: list[asyncio.Event] = [asyncio.Event() for _ in range(4)]
+
+        async def stream(i: int) -> None:
+            body = completion(16, 64, stream=True, user=f"stream-{i}")
+            async with client.stream("POST", gw.url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if '"text"' in line:
+                        first_tokens[i].set()
+
+        streams = [asyncio.create_task(stream(i)) for i in range(4)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_tokens)), 20.0)
+            await eventually(lambda: gw.status()["deadlines"]["engine_first_token_s"] is not None,
+                             "the engine's time to a first token learned")
+            assert gw.status()["deadlines"]["engine_first_token_s"] >= 0.2
+            seen = sim.sim.request_count
+            refused = await client.post(gw.url + "/v1/completions", json=completion(16, 2),
+                                        headers={OBJECTIVE: "100"})
+            assert sim.sim.request_count == seen  # it never reached the engine
+            served = [
+                await client.post(gw.url + "/v1/completions", json=completion(16, 2), headers=headers)
+                for headers in ({}, {OBJECTIVE: "20000"})
+            ]
+        finally:
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+    assert refused.status_code == 503, refused.text
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "deadline")
+    assert "to a first token now" in error["message"] and int(refused.headers["retry-after"]) >= 1
+    assert [r.status_code for r in served] == [200, 200], [r.text for r in served]
+
+
+async def test_a_request_its_own_objective_queued_is_served_past_it_not_refused(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
+) -> None:
+    """An objective is no deadline: once queued, the request waits on (here past its 200 ms) and is served."""
+    sim = make_sim(**QUEUE_RIG)
+    gw = make_gateway(sim, admission_policy="strict", kv_target=1.0, queue_timeout=30.0)
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        async with held_reservation(client, gw, sim, *HOLDER):
+            waiting = asyncio.create_task(client.post(gw.url + "/v1/completions", json=completion(*WAITER),
+                                                      headers={OBJECTIVE: "200"}))
+            await eventually(lambda: gw.status()["queued"] == 1, "the request queued")
+            await asyncio.sleep(0.6)  # past its objective
+            assert not waiting.done() and gw.status()["queued"] == 1
+        served = await waiting
+    assert served.status_code == 200, served.text
+    assert float(served.headers["x-guard-queue-ms"]) >= 500
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"), [("0", None), ("-5", None), ("nan", None), ("1e12", None), ("0.5", "deadline_too_short")]
+)
+async def test_an_objective_header_out_of_bounds_is_a_400_naming_it(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer], raw: str, code: str | None
+) -> None:
+    sim = make_sim()
+    gw = make_gateway(sim)
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        r = await client.post(gw.url + "/v1/completions", json=completion(16, 8), headers={OBJECTIVE: raw})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", OBJECTIVE)
+    assert code is None or error["code"] == code
+    assert sim.sim.request_count == 0
 
 
 async def test_under_sustained_overload_the_ttft_objective_keeps_admitted_requests_within_it(

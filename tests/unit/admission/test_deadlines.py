@@ -15,9 +15,9 @@ from tests.unit.admission.rig import BS, Rig, enter, settle
 from tests.unit.admission.test_forecast_shed import finish, steady
 
 
-def deadlined(rig: Rig, blocks: int, deadline: float | None) -> Reservation:
+def deadlined(rig: Rig, blocks: int, deadline: float | None, objective: float | None = None) -> Reservation:
     return rig.adm.reservation(prompt_tokens=8, max_tokens=blocks * BS - 8, n=1, priority=0, request_id="d",
-                               deadline=deadline)
+                               deadline=deadline, objective=objective)
 
 
 async def streamed_first_tokens(rig: Rig, seconds: float, count: int = MIN_SAMPLES) -> list[Reservation]:
@@ -66,6 +66,7 @@ def test_the_wait_limit_is_the_earliest_deadline_less_the_engine_time(
 
     class Asked:
         deadline = client
+        objective = None
 
     limit = deadlines.limit(Asked(), in_flight)
     assert (limit.seconds, limit.own) == (pytest.approx(seconds), own)
@@ -163,3 +164,83 @@ async def test_the_ttft_objective_sheds_only_what_would_miss_it() -> None:
     soon.cancel()
     await asyncio.gather(soon, return_exceptions=True)
     await finish(rig, running, task)
+
+
+# -- the request's own objective (the llm-d router's x-llm-d-slo-ttft-ms) ---------------------------------------------
+@pytest.mark.parametrize(
+    ("client", "mine", "operator", "seconds", "queued"),
+    [
+        (None, 5.0, None, 3.0, (30.0, False)),  # its objective judges its arrival; once queued, the queue timeout
+        (20.0, 5.0, None, 3.0, (18.0, True)),  # ... or the client's own deadline
+        (4.0, 5.0, None, 2.0, (2.0, True)),  # the client's deadline, the nearer, holds throughout
+        (None, 5.0, 3.0, 1.0, (30.0, False)),  # the earlier of its objective and the operator's
+        (None, 3.0, 5.0, 1.0, (30.0, False)),
+        (None, 1.5, None, -0.5, (30.0, False)),  # the engine alone is too slow: refused as it arrives
+        (None, 60.0, None, 30.0, (30.0, False)),  # an objective past the queue timeout changes nothing
+    ],
+)
+def test_the_requests_own_objective_judges_its_arrival_as_the_operators_does(
+    client: float | None, mine: float, operator: float | None, seconds: float, queued: tuple[float, bool]
+) -> None:
+    deadlines = Deadlines(30.0, operator, lambda: 0.0)
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_tokens.add(2.0)
+
+    class Asked:
+        deadline = client
+        objective = mine
+
+    limit = deadlines.limit(Asked(), 3)
+    assert limit.seconds == pytest.approx(seconds)
+    assert (limit.queued.seconds, limit.queued.own) == (pytest.approx(queued[0]), queued[1])
+
+
+async def test_a_request_whose_own_objective_the_forecast_says_it_will_miss_is_refused_as_it_arrives() -> None:
+    rig = Rig(queue_timeout=30.0, ttft_objective="off")
+    running, _, task = await steady(rig, 36)
+    # 5 blocks wait ahead of its 10 at 5 blocks/s: 3 s, past its own 2-s objective.
+    with pytest.raises(errors.DeadlineUnreachable, match=r"exceeds 80% of the 2\.0 s") as caught:
+        await deadlined(rig, 10, None, objective=2.0).__aenter__()
+    assert caught.value.reason == "deadline" and caught.value.retry_after == pytest.approx(3.0)
+    assert status_and_type(caught.value) == (503, "server_error") and "retry-after" in error_headers(caught.value)
+    # The same request without an objective, or with one it can make, is queued.
+    for patient in (enter(deadlined(rig, 10, None)), enter(deadlined(rig, 10, None, objective=20.0))):
+        await settle()
+        assert not patient.done()
+        patient.cancel()
+        await asyncio.gather(patient, return_exceptions=True)
+    await finish(rig, running, task)
+
+
+async def test_a_request_its_own_objective_queued_waits_past_it_within_its_clients_deadline() -> None:
+    rig = Rig(queue_timeout=30.0, ttft_objective="off", shed_early="off")
+    holder = await rig.req(10).__aenter__()
+    served = enter(deadlined(rig, 5, None, objective=2.0))
+    bounded = enter(deadlined(rig, 5, 8.0, objective=2.0))
+    await settle()
+    rig.clock.now += 5.0  # past both objectives
+    rig.adm.tick()
+    await settle()
+    assert not served.done() and not bounded.done() and rig.adm.queued == 2
+    rig.clock.now += 3.0  # the client's own deadline still ends a wait
+    rig.adm.tick()
+    with pytest.raises(errors.DeadlineUnreachable):
+        await bounded
+    holder.release()
+    (await served).release()
+    rig.assert_drained()
+
+
+async def test_a_request_whose_own_objective_the_engine_alone_cannot_meet_is_refused_as_it_arrives() -> None:
+    rig = Rig(queue_timeout=30.0, ttft_objective="off")
+    running = await streamed_first_tokens(rig, 3.0)
+    with pytest.raises(errors.DeadlineUnreachable, match=r"takes 3\.0 s to a first token") as caught:
+        await deadlined(rig, 1, None, objective=2.0).__aenter__()
+    assert caught.value.retry_after is not None and rig.adm.queued == 0
+    async with deadlined(rig, 1, None) as r:  # without one: admitted at once
+        assert r.admitted
+    async with deadlined(rig, 1, None, objective=5.0) as r:  # 5 s leaves it 2 s
+        assert r.admitted
+    for r in running:
+        r.release()
+    rig.assert_drained()

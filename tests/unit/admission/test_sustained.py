@@ -98,6 +98,7 @@ def test_the_wait_limit_under_each_objective(
 
     class Asked:
         deadline = client
+        objective = None
 
     limit = deadlines.limit(Asked(), in_flight=3)
     assert (limit.seconds, limit.own, limit.derived) == (pytest.approx(seconds), own, derived)

@@ -1,5 +1,6 @@
 """A guarded request's context is read once from its headers: a sane request id is kept and an odd one replaced,
-the priority comes from the header or the key, and the overflow policy from the header or the settings."""
+the priority comes from the header or the key, the deadline and the request's own TTFT objective from their headers
+(bounded, else a 400 naming the header), and the overflow policy from the header or the settings."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from starlette.requests import Request
 
 from gateway.config import Settings
 from gateway.errors import InvalidRequest
-from gateway.http.context import deadline, priority, prompt_policy, request_id
+from gateway.http.context import deadline, objective, priority, prompt_policy, request_id
 
 
 def request(**headers: str) -> Request:
@@ -120,3 +121,52 @@ def test_a_deadline_below_what_any_engine_can_meet_is_a_client_error_naming_the_
 )
 def test_a_deadline_at_the_floor_is_taken(header: str, raw: str, seconds: float) -> None:
     assert deadline(request(**{header.replace("-", "_"): raw})) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize(
+    ("headers", "seconds"),
+    [
+        ({}, None),
+        ({"x_llm_d_slo_ttft_ms": "2500"}, 2.5),  # the llm-d router's TTFT SLO, in milliseconds
+        ({"x_llm_d_slo_ttft_ms": "250.5"}, 0.2505),
+        ({"x_llm_d_slo_ttft_ms": "1"}, 0.001),  # at the floor
+        ({"x_llm_d_slo_ttft_ms": "86400000"}, 86_400.0),  # a day
+        ({"x_slo_ttft_ms": "800"}, 0.8),  # its deprecated name, which the router still reads
+        ({"x_llm_d_slo_ttft_ms": "300", "x_slo_ttft_ms": "900"}, 0.3),  # the current name first, as the router reads
+        ({"x_llm_d_slo_ttft_ms": "300", "x_slo_ttft_ms": "soon"}, 0.3),  # the other is not read at all
+        ({"x_guard_deadline_ms": "300"}, None),  # a deadline is no objective
+    ],
+)
+def test_the_objective_is_the_llm_d_routers_ttft_slo_in_milliseconds(
+    headers: dict[str, str], seconds: float | None
+) -> None:
+    found = objective(request(**headers))
+    assert found == (None if seconds is None else pytest.approx(seconds))
+
+
+def test_an_objective_is_not_the_deadline() -> None:
+    assert deadline(request(x_llm_d_slo_ttft_ms="300")) is None
+
+
+@pytest.mark.parametrize(
+    ("header", "raw"),
+    [("x-llm-d-slo-ttft-ms", "soon"), ("x-llm-d-slo-ttft-ms", "0"), ("x-llm-d-slo-ttft-ms", "-5"),
+     ("x-llm-d-slo-ttft-ms", "nan"), ("x-llm-d-slo-ttft-ms", "NaN"), ("x-llm-d-slo-ttft-ms", "inf"),
+     ("x-llm-d-slo-ttft-ms", "86400001"), ("x-llm-d-slo-ttft-ms", "1e300"), ("x-llm-d-slo-ttft-ms", ""),
+     ("x-slo-ttft-ms", "0"), ("x-slo-ttft-ms", "fast")],
+)
+def test_an_objective_header_out_of_bounds_is_a_400_naming_it(header: str, raw: str) -> None:
+    with pytest.raises(InvalidRequest, match=f"{header} must be a number above 0 and at most 8.64e\\+07") as caught:
+        objective(request(**{header.replace("-", "_"): raw}))
+    assert (caught.value.param, caught.value.client_fault) == (header, True)
+
+
+@pytest.mark.parametrize("raw", ["0.0001", "0.999", "1e-9"])
+def test_an_objective_below_what_any_engine_can_meet_is_a_400_naming_the_header_and_the_floor(raw: str) -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        objective(request(x_llm_d_slo_ttft_ms=raw))
+    error = caught.value
+    assert (error.param, error.code, error.retry_after) == ("x-llm-d-slo-ttft-ms", "deadline_too_short", None)
+    assert error.message.startswith(f"x-llm-d-slo-ttft-ms is {raw} ms") and "least any engine can meet: 1 ms" in (
+        error.message
+    )

@@ -34,8 +34,9 @@ from gateway.workers.messages import (
 class Booked:
     """A reservation as the grant enters it: held between entering and leaving, released once."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, asked: dict[str, Any] | None = None) -> None:
         self.request_id = request_id
+        self.asked = asked or {}  # what the authority asked its admission for
         self.target = None
         self.queue_ms = 0.0
         self.held = False
@@ -103,7 +104,7 @@ async def world() -> SimpleNamespace:
     booked: list[Booked] = []
 
     def reservation(**kw: Any) -> Booked:
-        booked.append(Booked(kw["request_id"]))
+        booked.append(Booked(kw["request_id"], kw))
         return booked[-1]
 
     progress = ProgressDetector(15.0)
@@ -122,8 +123,8 @@ async def world() -> SimpleNamespace:
     return SimpleNamespace(link=link, wire=wire, booked=booked, tenants=tenants, progress=progress)
 
 
-def booking(rid: str) -> Booking:
-    return Booking(rid, 16, 32, 1, 0, "search", 1.0, None, (), "tiny/completions", None, 0)
+def booking(rid: str, deadline: float | None = None, objective: float | None = None) -> Booking:
+    return Booking(rid, 16, 32, 1, 0, "search", 1.0, None, (), "tiny/completions", deadline, objective, 0)
 
 
 def receive(world: SimpleNamespace, *messages: Message) -> None:
@@ -148,6 +149,15 @@ async def test_two_requests_with_one_client_id_are_each_charged_held_and_release
     await turns()
     assert [b.released for b in world.booked] == [True, False] and not any(b.held for b in world.booked)
     assert world.link.requests == {}
+
+
+async def test_a_workers_request_is_booked_with_its_deadline_and_its_own_objective(world: SimpleNamespace) -> None:
+    receive(world, Admit(1, booking("r", deadline=30.0, objective=0.8), None))
+    await turns()
+    asked = world.booked[0].asked
+    assert (asked["deadline"], asked["objective"], asked["family"]) == (30.0, 0.8, "tiny/completions")
+    receive(world, Release(1, True, 0), End(1, 0.0))
+    await turns()
 
 
 async def test_a_withdrawn_request_gives_its_reservation_back(world: SimpleNamespace) -> None:

@@ -43,7 +43,7 @@ from gateway.workers.messages import (
 )
 
 BOOKING = Booking("client-id", 16, 32, 2, 3, "search", 1.5, crossing_prefix(PromptPrefix((1, 2, 3), "tiny")),
-                  ("e0",), "tiny/chat", 2.5, 4)
+                  ("e0",), "tiny/chat", 2.5, 0.8, 4)
 RECORD = AccessRecord(
     time=1.7e9, request_id="r", tenant=None, route="chat", model="tiny", status=200, outcome="ok", reason=None,
     prompt_tokens=16, max_tokens_asked=10**30, max_tokens=32, truncated_tokens=None, queue_ms=1.5, engine="e0",
@@ -81,6 +81,7 @@ def test_every_kind_of_message_crosses_as_itself(message: Message) -> None:
     assert back == message
 
 
+TAIL = [[], "", None, None, 0]  # a booking's avoid, family, deadline, objective and min_output
 MALFORMED = {
     "not a frame": {"type": "end", "id": 1},
     "an unknown kind": ["promote", []],
@@ -92,8 +93,9 @@ MALFORMED = {
     "a string header": ["admitted", [1, 0.0, {"a": 1}, None]],
     "an engine index that is no number": ["progress", [{}, {"zero": [1, 2, 3]}, {}]],
     "a move of two counts": ["progress", [{}, {"0": [1, 2]}, {}]],
-    "an id that is no integer": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, [[1, "2"], ""], [], "", None, 0], None]],
-    "an id past 64 bits": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, [[2**63], ""], [], "", None, 0], None]],
+    "an id that is no integer": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, [[1, "2"], ""], *TAIL], None]],
+    "an id past 64 bits": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, [[2**63], ""], *TAIL], None]],
+    "an objective that is no number": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, None, [], "", None, "1", 0], None]],
 }
 
 
@@ -147,7 +149,7 @@ def test_an_unknown_class_becomes_a_retryable_unavailable() -> None:
     ],
 )
 def test_a_prompts_ids_cross_as_they_are(prefix: PromptPrefix | None, crosses: list[int] | None) -> None:
-    admit = through(Admit(1, Booking("r", 3, 1, 1, 0, "t", 1.0, crossing_prefix(prefix), (), "", None, 0), None))
+    admit = through(Admit(1, Booking("r", 3, 1, 1, 0, "t", 1.0, crossing_prefix(prefix), (), "", None, None, 0), None))
     assert isinstance(admit, Admit)
     got = admit.booking.prefix
     assert (None if got is None else list(got.ids)) == crosses

@@ -123,6 +123,17 @@ async def test_the_charge_rides_until_the_authority_has_seen_the_request(
         await hold.__aexit__(None, None, None)
 
 
+async def test_the_admit_carries_the_requests_deadline_and_its_own_objective(
+    client: AuthorityClient, wire: Transport
+) -> None:
+    g = grant(client)
+    entering = asyncio.create_task(g.admit(booked(client, deadline=20.0, objective=0.8), lambda: None).__aenter__())
+    (admit,) = await sent(wire)
+    assert isinstance(admit, Admit) and (admit.booking.deadline, admit.booking.objective) == (20.0, 0.8)
+    answer(client, Admitted(g.key, 0.0, {}, None))
+    await entering
+
+
 async def test_a_refusal_is_raised_as_the_authoritys_error(client: AuthorityClient, wire: Transport) -> None:
     g = grant(client)
     entering = asyncio.create_task(g.admit(booked(client), lambda: None).__aenter__())
