@@ -22,7 +22,6 @@ from urllib.parse import quote, unquote, urlencode, urlsplit
 import orjson
 
 from gateway.config import Settings
-from gateway.engine.connection import Connection
 from gateway.engine.pool import Pool
 from gateway.engine.vllm_api import upstream_error_from
 from gateway.engine.wire import UNREACHABLE_RETRY_AFTER, BufferSink, Exchange, Sink, UpstreamLost
@@ -212,7 +211,12 @@ class Upstream:
         for attempt in (1, 2):
             exchange = Exchange(deadline, s.read_timeout)
             exchange.limit = total
-            conn, pooled = await self._connection(pool, attempt == 1, within, total)
+            try:
+                conn, pooled = await pool.connection(attempt == 1, within)
+            except TimeoutError as exc:
+                raise self._timeout(total) from exc
+            except OSError as exc:
+                raise self._unreachable(exc) from exc
             conn.send(exchange, request)
             try:
                 await exchange.head
@@ -228,16 +232,11 @@ class Upstream:
             return UpstreamStream(exchange)
         raise AssertionError("unreachable: the second attempt returns or raises")
 
-    async def _connection(self, pool: Pool, reuse: bool, within: float, total: float) -> tuple[Connection, bool]:
-        try:
-            return await pool.connection(reuse, within)
-        except TimeoutError as exc:
-            raise self._timeout(total) from exc
-        except OSError as exc:
-            raise UpstreamUnavailable(
-                f"The upstream at {redact_url(self.base_url)} cannot be reached ({redact_urls_in(str(exc))}).",
-                retry_after=UNREACHABLE_RETRY_AFTER,
-            ) from exc
+    def _unreachable(self, exc: OSError) -> UpstreamUnavailable:
+        return UpstreamUnavailable(
+            f"The upstream at {redact_url(self.base_url)} cannot be reached ({redact_urls_in(str(exc))}).",
+            retry_after=UNREACHABLE_RETRY_AFTER,
+        )
 
     def _timeout_of(self, exchange: Exchange) -> UpstreamTimeout:
         return self._timeout(exchange.limit)

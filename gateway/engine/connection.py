@@ -36,19 +36,20 @@ if TYPE_CHECKING:
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 
-class State(enum.Enum):
-    CONNECTING = "connecting"  # being opened: never handed out
-    IDLE = "idle"  # open with no exchange: pooled, or just opened and about to carry one
-    BUSY = "busy"  # carrying one exchange
-    CLOSED = "closed"  # for good
+class State(enum.IntEnum):  # (an int: hashed and compared in C, on every request)
+    CONNECTING = 0  # being opened: never handed out
+    IDLE = 1  # open with no exchange: pooled, or just opened and about to carry one
+    BUSY = 2  # carrying one exchange
+    CLOSED = 3  # for good
 
 
-_MOVES: dict[State, frozenset[State]] = {
-    State.CONNECTING: frozenset({State.IDLE, State.CLOSED}),
-    State.IDLE: frozenset({State.BUSY, State.CLOSED}),
-    State.BUSY: frozenset({State.IDLE, State.CLOSED}),
-    State.CLOSED: frozenset(),
-}
+# The moves each state allows, by the state's number.
+_MOVES: tuple[tuple[State, ...], ...] = (
+    (State.IDLE, State.CLOSED),  # CONNECTING
+    (State.BUSY, State.CLOSED),  # IDLE
+    (State.IDLE, State.CLOSED),  # BUSY
+    (),  # CLOSED
+)
 
 
 class Connection(asyncio.Protocol):
@@ -77,7 +78,7 @@ class Connection(asyncio.Protocol):
         self._keep = False  # ... and the upstream keeps the connection alive after it
 
     def _move(self, to: State) -> None:
-        assert to in _MOVES[self.state], f"a connection cannot go from {self.state.value} to {to.value}"
+        assert to in _MOVES[self.state], f"a connection cannot go from {self.state.name.lower()} to {to.name.lower()}"
         self.state = to
 
     # -- asyncio's callbacks ----------------------------------------------------------------------
@@ -88,7 +89,8 @@ class Connection(asyncio.Protocol):
         # (resume_writing) when they are all out.
         stream.set_write_buffer_limits(high=0)
         sock = transport.get_extra_info("socket")
-        if sock is not None and hasattr(select, "poll"):
+        # Not under TLS: its socket may hold records for the TLS layer alone (session tickets), no end.
+        if sock is not None and hasattr(select, "poll") and transport.get_extra_info("sslcontext") is None:
             self._poll = select.poll()
             self._poll.register(sock.fileno(), select.POLLIN)
         self._move(State.IDLE)
@@ -111,7 +113,14 @@ class Connection(asyncio.Protocol):
                 self._past_head_room(data, room)
                 return
             self._head_room = room - len(data)
-        self._feed(data)
+        try:  # (``_feed``, inline: this runs on every read)
+            self.parser.feed_data(data)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._unreadable(exc)
+            return
+        if self._complete:
+            self._complete = False
+            self._finish()
 
     def connection_lost(self, exc: Exception | None) -> None:
         exchange = self.exchange
@@ -136,18 +145,21 @@ class Connection(asyncio.Protocol):
     def _feed(self, data: bytes | memoryview) -> None:
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserCallbackError as exc:  # raised by a callback below, or by a sink under it
-            cause = exc.__context__
-            self._fail(cause if isinstance(cause, GatewayError) else BadUpstreamResponse(
-                f"The upstream's answer could not be read: {exc}."
-            ))
-            return
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._fail(BadUpstreamResponse(f"The upstream sent an invalid HTTP response: {exc}."))
+            self._unreadable(exc)
             return
         if self._complete:
             self._complete = False
             self._finish()
+
+    def _unreadable(self, exc: Exception) -> None:
+        cause = exc.__context__  # a callback's own error (raised below, or by a sink under one)
+        if isinstance(exc, httptools.HttpParserCallbackError) and isinstance(cause, GatewayError):
+            self._fail(cause)
+        elif isinstance(exc, httptools.HttpParserCallbackError):
+            self._fail(BadUpstreamResponse(f"The upstream's answer could not be read: {exc}."))
+        else:
+            self._fail(BadUpstreamResponse(f"The upstream sent an invalid HTTP response: {exc}."))
 
     def _past_head_room(self, data: bytes | memoryview, room: int) -> None:
         """A read that runs past the head's cap: what fits is parsed alone; a head that did not end within it is
@@ -233,13 +245,16 @@ class Connection(asyncio.Protocol):
             exchange.sink.end(None)
 
     # -- the pool's side --------------------------------------------------------------------------
+    def is_open(self) -> bool:
+        transport = self.transport
+        return self.state is State.IDLE and transport is not None and not transport.is_closing()
+
     def usable(self) -> bool:
         """Idle, open, and with nothing waiting to be read: an engine that closed a pooled connection (or wrote to
         it) meanwhile may not have been heard yet by the loop, but its socket already says so."""
-        transport = self.transport
+        transport, poll = self.transport, self._poll
         if self.state is not State.IDLE or transport is None or transport.is_closing():
             return False
-        poll = self._poll
         return poll is None or not poll.poll(0)
 
     def send(self, exchange: Exchange, request: bytes) -> None:

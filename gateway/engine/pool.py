@@ -71,7 +71,7 @@ class Pool:
             self.connecting -= 1
             if not opened:
                 self._wake()  # its room goes to a request that waits
-        if not conn.usable():  # closed (or written to) as soon as it was opened: never handed out
+        if not conn.is_open():  # closed as soon as it was opened: never handed out
             conn.close()
             self._wake()
             raise UpstreamUnavailable(
