@@ -170,6 +170,20 @@ class UpstreamUnavailable(GatewayError):
     reason = "upstream_unavailable"
 
 
+class UpstreamLost(UpstreamUnavailable):
+    """The upstream closed a connection under a request before the end of its answer.
+
+    ``may_have_read``: the request's last byte had gone out to the upstream, which may then have read it whole
+    and run it; false only when part of it still waited in the connection's buffer. ``resent``: the request went
+    out a second time already (``Upstream.open`` sets it), so nothing (the pipeline's failover included) sends
+    it again: a request goes out at most twice, and twice only when the first cannot have been read."""
+
+    def __init__(self, message: str, *, may_have_read: bool, retry_after: float = 5.0) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.may_have_read = may_have_read
+        self.resent = False
+
+
 class UpstreamHung(UpstreamUnavailable):
     """The engine makes no progress while work runs (its engine core frozen or stuck): nothing sent to it
     would be answered, so requests are refused at once and those in flight are cut."""

@@ -24,8 +24,8 @@ import orjson
 from gateway.config import Settings
 from gateway.engine.pool import Pool
 from gateway.engine.vllm_api import upstream_error_from
-from gateway.engine.wire import UNREACHABLE_RETRY_AFTER, BufferSink, Exchange, Sink, UpstreamLost
-from gateway.errors import BadUpstreamResponse, UpstreamTimeout, UpstreamUnavailable
+from gateway.engine.wire import UNREACHABLE_RETRY_AFTER, BufferSink, Exchange, Sink
+from gateway.errors import BadUpstreamResponse, UpstreamLost, UpstreamTimeout, UpstreamUnavailable
 from gateway.redact import redact_url, redact_urls_in
 
 log = logging.getLogger(__name__)

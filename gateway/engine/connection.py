@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.engine.wire import MAX_HEAD_BYTES, Exchange, UpstreamLost
-from gateway.errors import BadUpstreamResponse, GatewayError
+from gateway.engine.wire import MAX_HEAD_BYTES, Exchange
+from gateway.errors import BadUpstreamResponse, GatewayError, UpstreamLost
 
 if TYPE_CHECKING:
     from gateway.engine.pool import Pool

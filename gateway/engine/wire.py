@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.errors import GatewayError, UpstreamUnavailable
+from gateway.errors import GatewayError
 
 if TYPE_CHECKING:
     from gateway.engine.connection import Connection
@@ -34,20 +34,6 @@ MAX_HEAD_BYTES = 64 * 1024
 # A reader (``BufferSink``) that lets this many bytes wait pauses the connection's reads until it catches up.
 PAUSE_AT = 1024 * 1024
 UNREACHABLE_RETRY_AFTER = 5.0
-
-
-class UpstreamLost(UpstreamUnavailable):
-    """The upstream closed a connection under a request before the end of its answer.
-
-    ``may_have_read``: the request's last byte had gone out to the upstream, which may then have read it whole
-    and run it; false only when part of it still waited in the connection's buffer. ``resent``: the request went
-    out a second time already (``Upstream.open`` sets it), so nothing (the pipeline's failover included) sends
-    it again: a request goes out at most twice, and twice only when the first cannot have been read."""
-
-    def __init__(self, message: str, *, may_have_read: bool) -> None:
-        super().__init__(message, retry_after=UNREACHABLE_RETRY_AFTER)
-        self.may_have_read = may_have_read
-        self.resent = False
 
 
 class Sink(Protocol):

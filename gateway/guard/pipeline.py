@@ -26,8 +26,7 @@ from gateway.admission import Reservation
 from gateway.engine.sse import require_event_stream
 from gateway.engine.usage import EVERYTHING, UsageAsk
 from gateway.engine.vllm_api import ModelList
-from gateway.engine.wire import UpstreamLost
-from gateway.errors import GatewayError, UpstreamError, UpstreamUnavailable
+from gateway.errors import GatewayError, UpstreamError, UpstreamLost, UpstreamUnavailable
 from gateway.guard import exchange, offload, planning, pooling
 from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Outcome, Parts

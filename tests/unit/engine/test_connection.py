@@ -9,8 +9,8 @@ import pytest
 
 from gateway.engine.connection import Connection, State
 from gateway.engine.pool import Pool
-from gateway.engine.wire import MAX_HEAD_BYTES, PAUSE_AT, Exchange, UpstreamLost
-from gateway.errors import BadUpstreamResponse
+from gateway.engine.wire import MAX_HEAD_BYTES, PAUSE_AT, Exchange
+from gateway.errors import BadUpstreamResponse, UpstreamLost
 
 from .scripted_engine import answer, body_of
 

@@ -11,7 +11,7 @@ import pytest
 from gateway.admission.reservation import Target
 from gateway.config import Settings
 from gateway.engine.engine import Engine
-from gateway.engine.wire import UpstreamLost
+from gateway.errors import UpstreamLost
 from gateway.guard import pipeline
 from gateway.guard.context import Booking, RequestContext
 from gateway.guard.parts import Parts
