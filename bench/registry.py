@@ -19,6 +19,7 @@ MODULES = {
     "tenants": "bench.benchmarks.tenants",
     "restart": "bench.benchmarks.restart",
     "stages": "bench.benchmarks.stages",
+    "profile": "bench.benchmarks.native_profile",
     "soak": "bench.benchmarks.soak",
     "slow-readers": "bench.benchmarks.slow_readers",
     "counting": "bench.benchmarks.counting",
