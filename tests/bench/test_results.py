@@ -88,3 +88,12 @@ def test_a_measure_no_target_has_a_figure_for_is_left_out_of_the_table(tmp_path:
     r = result(engine=[{"p50_ms": 0.2}], gateway=[{"p50_ms": 3.0}])
     lines = table(load(write(r, tmp_path)[0])).splitlines()
     assert [line.split(" | ")[0] for line in lines[2:]] == ["| p50 (ms)"]
+
+
+def test_a_comparison_with_no_figure_in_common_is_no_column(tmp_path: Path) -> None:
+    # vLLM's frontend is measured on one row only, which the engine has no figure for: no "frontend vs engine".
+    r = result(engine=[{"p50_ms": 0.2, "per_s": 9000.0}], frontend=[{"errors": 0.0, "per_s": math.nan}],
+               gateway=[{"p50_ms": 3.0, "per_s": 600.0}])
+    r.references = ["engine", "frontend"]
+    head = table(load(write(r, tmp_path)[0])).splitlines()[0]
+    assert "gateway vs engine" in head and "frontend vs engine" not in head and "gateway vs frontend" not in head

@@ -36,6 +36,26 @@ async def test_streams_complete_with_every_token_counted(usage: str) -> None:
     assert 0 < got["ttfb_p50_ms"] <= got["ttfb_p99_ms"] < 1000 and got["wall_s"] > 0 and got["client_cpu_s"] > 0
 
 
+async def test_the_tokens_of_completed_streams_are_tallied_by_the_request_id_prefix_of_the_answer() -> None:
+    # A gateway's process writes a request id prefix of its own in x-request-id: the tally says who relayed what.
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(ln.split(b":")[1]) for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        events = b"".join(b"data: {}\n\n" for _ in range(streams.expected_events(5, "none") - 1)) + streams.DONE
+        writer.write(b"HTTP/1.1 200 OK\r\nx-request-id: 0123456789abcdef0001\r\ncontent-length: %d\r\n\r\n%s"
+                     % (len(events), events))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        got = await streams.run(plan(server.sockets[0].getsockname()[1], streams_=1, seconds=0.05))
+    finally:
+        server.close()
+    assert got["completed"] >= 1 and got["by_prefix"] == {"0123456789ab": got["tokens"]}
+
+
 async def test_a_stream_cut_short_is_a_failure_not_tokens() -> None:
     async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
