@@ -20,6 +20,7 @@ MODULES = {
     "restart": "bench.benchmarks.restart",
     "stages": "bench.benchmarks.stages",
     "profile": "bench.benchmarks.native_profile",
+    "scaling": "bench.benchmarks.scaling",
     "soak": "bench.benchmarks.soak",
     "slow-readers": "bench.benchmarks.slow_readers",
     "counting": "bench.benchmarks.counting",

@@ -1,6 +1,7 @@
 """A fast fake vLLM: answers at once, or streams one SSE event per token, for measuring what a proxy costs.
 
     python -m bench.servers.fake_engine --port 8000 [--token-delay 0.02] [--model tiny] [--max-model-len 32768]
+        [--processes N]
 
 A raw asyncio protocol with httptools on uvloop, no web framework, so that the engine side of a benchmark costs
 little of the core it shares with the load generator (it answers some 30,000 short chats a second on one core;
@@ -20,6 +21,8 @@ little of the core it shares with the load generator (it answers some 30,000 sho
   ``vllm:cache_config_info`` says a million blocks, so that a gateway in front never waits for room.
 
 Prompt tokens are not counted (no tokenizer): usage says a quarter of the body's bytes. One choice per request.
+``--processes N`` serves the port from N processes (``SO_REUSEPORT``: the kernel spreads the connections), for a
+machine where one core of engine would bind before the proxy measured; each keeps its own counters.
 """
 
 from __future__ import annotations
@@ -300,9 +303,11 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
 
-async def serve(engine: Engine, host: str, port: int, ready: asyncio.Event | None = None) -> None:
+async def serve(engine: Engine, host: str, port: int, ready: asyncio.Event | None = None,
+                reuse_port: bool = False) -> None:
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Connection(engine), host, port, backlog=4096)
+    server = await loop.create_server(lambda: Connection(engine), host, port, backlog=4096,
+                                      reuse_port=reuse_port or None)
     if ready is not None:
         ready.set()
     async with server:
@@ -316,11 +321,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny", help="the served model's name (tiny)")
     parser.add_argument("--max-model-len", type=int, default=32768, help="what /v1/models says (32768)")
     parser.add_argument("--token-delay", type=float, default=0.02, help="seconds between a stream's tokens (0.02)")
+    parser.add_argument("--processes", type=int, default=1, help="processes serving the port (1)")
     args = parser.parse_args(argv)
+    import os
+
     import uvloop
 
+    shared = args.processes > 1
+    for _ in range(args.processes - 1):
+        if os.fork() == 0:  # a child: serves until killed with the group (the harness stops the whole group)
+            break
     engine = Engine(args.model, args.max_model_len, args.token_delay)
-    uvloop.run(serve(engine, args.host, args.port))
+    uvloop.run(serve(engine, args.host, args.port, reuse_port=shared))
     return 0
 
 

@@ -16,13 +16,15 @@ VLLM_READY_PATHS = ("/health", "/v1/models")
 
 
 def fake(ctx: Context, name: str = "engine", *, token_delay: float = 0.02, max_model_len: int = 32768,
-         cpus: str | None = None) -> Target:
-    """``bench.servers.fake_engine``: answers at once or streams one event per token, ``token_delay`` apart."""
+         cpus: str | None = None, processes: int = 1) -> Target:
+    """``bench.servers.fake_engine``: answers at once or streams one event per token, ``token_delay`` apart;
+    ``processes`` serve the port together (a machine whose proxy would outrun one core of engine)."""
     port = free_port()
     argv = python("bench.servers.fake_engine", "--port", str(port), "--token-delay", f"{token_delay:g}",
-                  "--max-model-len", str(max_model_len))
+                  "--max-model-len", str(max_model_len), *(("--processes", str(processes)) if processes > 1 else ()))
     server = Server(name, argv, port, ctx.log_path(name), cpus=cpus or ctx.cores.engine)
-    return Target(name, "fake", server, about={"token_delay": token_delay}, ready_timeout=30)
+    about = {"token_delay": token_delay, **({"processes": processes} if processes > 1 else {})}
+    return Target(name, "fake", server, about=about, ready_timeout=30)
 
 
 def simulator(ctx: Context, name: str = "engine", *, token_delay: float = 0.0, tokenizer: Path | None = None,

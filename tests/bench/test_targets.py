@@ -44,6 +44,20 @@ def test_a_fake_engine_target_starts_answers_is_accounted_and_stops_with_its_gro
 
 
 @linux
+def test_a_fake_engine_of_several_processes_serves_one_port_and_is_accounted_as_one(tmp_path: Path) -> None:
+    import psutil
+
+    ctx = Context("unit", argparse.Namespace(), [], out_dir=tmp_path, cache=tmp_path)
+    with ctx:
+        engine = engines.fake(ctx, "engine", token_delay=0.0, cpus="", processes=3)
+        ctx.start(engine)
+        assert len(psutil.Process(engine.pid).children()) == 2
+        for _ in range(30):  # fresh connections: the kernel spreads them over the three
+            urllib.request.urlopen(engine.url + "/health", timeout=5).read()
+        assert engine.cpu_seconds() > 0 and engine.describe()["processes"] == 3
+
+
+@linux
 def test_a_server_that_exits_before_it_is_ready_says_so_with_its_log(tmp_path: Path) -> None:
     server = Server("broken", [sys.executable, "-c", "print('no such model'); raise SystemExit(3)"], free_port(),
                     tmp_path / "broken.log").start()

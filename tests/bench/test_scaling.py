@@ -1,0 +1,73 @@
+"""The scaling benchmark's arithmetic: a worker's cost, the authority's coordination beyond its own serving, and
+the bound of M processes that they set (Amdahl's law, the coordination the serial part)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.workloads import wrk
+from bench.workloads.scaling import (
+    Process,
+    bound_per_s,
+    bound_without_serving,
+    limit,
+    served_by,
+    speedup,
+    split,
+)
+
+
+def test_the_authority_s_cpu_beyond_its_own_serving_is_its_coordination_per_request_a_worker_served() -> None:
+    # One process costs 600 us a chat; the worker 700 (it also talks to the authority); the authority served
+    # 1,000 chats (0.6 s at one process's price) and spent 0.8 s: 0.2 s for the worker's 2,000 chats.
+    procs = [Process("authority", 0.8, 1000), Process("worker 1", 0.7, 1000), Process("worker 2", 0.7, 1000)]
+    found = split(procs, one_us=600)
+    assert found.units == 3000 and found.authority_share == pytest.approx(1 / 3)
+    assert found.worker_us == pytest.approx(700)
+    assert found.coordination_us == pytest.approx(100)  # 0.2 s / 2,000 chats
+    assert found.coordination_whole_us == pytest.approx(200 / 3)
+    assert found.authority_us == pytest.approx(800 / 3)
+    assert found.coordination_of_worker == pytest.approx(1 / 7)
+
+
+def test_without_one_process_s_price_the_authority_s_own_serving_is_priced_as_a_worker_s() -> None:
+    procs = [Process("authority", 0.8, 1000), Process("worker 1", 0.7, 1000)]
+    assert split(procs).coordination_us == pytest.approx(100)
+    assert split(procs, one_us=math.nan).coordination_us == pytest.approx(100)
+
+
+def test_a_run_with_nothing_served_gives_no_figures_rather_than_a_division_by_zero() -> None:
+    found = split([Process("authority", 0.1, 0), Process("worker 1", 0.1, 0)])
+    assert math.isnan(found.worker_us) and math.isnan(found.coordination_us)
+
+
+def test_the_bound_is_the_authority_s_core_full_its_share_served_and_the_rest_coordinated() -> None:
+    # w1 600, w 700, c 100: the authority's core at 8 processes is full at 8 / (600 + 7 x 100) us.
+    assert bound_per_s(1, 600, 700, 100) == pytest.approx(1e6 / 600)
+    assert bound_per_s(8, 600, 700, 100) == pytest.approx(8e6 / 1300)
+    assert speedup(8, 600, 700, 100) == pytest.approx(8 * 600 / 1300)
+    assert limit(600, 100) == pytest.approx(6.0)  # no number of workers passes one process's cost over c
+    assert speedup(10_000, 600, 700, 100) < limit(600, 100)
+    # With no coordination the workers' own cores bind: M / w.
+    assert bound_per_s(8, 600, 700, 0) == pytest.approx(8e6 / 700)
+    assert limit(600, 0) == math.inf
+
+
+def test_an_authority_that_served_nothing_is_bound_by_its_coordination_alone() -> None:
+    assert bound_without_serving(8, 700, 100) == pytest.approx(1e6 / 100)
+    assert bound_without_serving(2, 700, 100) == pytest.approx(1e6 / 700)
+
+
+def test_units_are_assigned_to_processes_by_their_request_id_prefix() -> None:
+    got = served_by({"authority": "aaaa", "worker 1": "bbbb", "worker 2": "?"}, {"aaaa": 5, "bbbb": 7, "-": 2})
+    assert got == {"authority": 5.0, "worker 1": 7.0, "worker 2": 0.0}
+
+
+def test_wrk_s_counts_by_header_prefix_are_summed_over_its_threads() -> None:
+    out = ('{"requests": 12, "seconds": 1.0, "p50_ms": 1.0, "p99_ms": 2.0, "errors": 0}\n'
+           "count aaaa 5\ncount bbbb 3\ncount aaaa 4\n")
+    run = wrk.parse(out, cpu_s=0.1)
+    assert run.requests == 12 and run.counts == {"aaaa": 9, "bbbb": 3}
+    assert wrk.parse(out.splitlines()[0], cpu_s=0.0).counts == {}
