@@ -102,15 +102,16 @@ def waited_s(pids: list[int]) -> float:
 
 @contextlib.contextmanager
 def profiled(pids: list[int], data: Path, stat: Path) -> Iterator[None]:
-    """perf record and perf stat on ``pids`` for the block (SIGINT ends them, as a user's Ctrl-C)."""
+    """perf record and perf stat on ``pids`` for the block (SIGINT ends them, as a user's Ctrl-C); what perf
+    says goes to ``<data>.log``."""
     tool, who = perf(), ",".join(map(str, pids))
     events = ",".join(native.SYSCALL_EVENTS.values())
-    procs = [
-        subprocess.Popen([tool, "record", "-e", "cpu-clock", "-F", str(RATE_HZ), "-g", "-p", who, "-o", str(data)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-        subprocess.Popen([tool, "stat", "-x,", "-e", events, "-p", who, "-o", str(stat)],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-    ]  # fmt: skip
+    with data.with_suffix(".log").open("ab") as log:
+        procs = [
+            subprocess.Popen([tool, "record", "-e", "cpu-clock", "-F", str(RATE_HZ), "-g", "-p", who, "-o",
+                              str(data)], stdout=log, stderr=log),
+            subprocess.Popen([tool, "stat", "-x,", "-e", events, "-p", who, "-o", str(stat)], stdout=log, stderr=log),
+        ]  # fmt: skip
     time.sleep(0.5)  # attached
     try:
         yield
@@ -128,6 +129,9 @@ def profiled(pids: list[int], data: Path, stat: Path) -> Iterator[None]:
 def script_lines(data: Path) -> list[str]:
     done = subprocess.run([perf(), "script", "-i", str(data), "-F", "tid,ip,sym,dso"], capture_output=True,
                           text=True, errors="replace", timeout=600, check=False)
+    if done.returncode != 0:
+        with data.with_suffix(".log").open("a") as log:
+            log.write(done.stderr)
     return done.stdout.splitlines()
 
 
@@ -153,7 +157,10 @@ def one_run(ctx: Context, target: Target, load: str, turn: int) -> Figures:
     found = native.split(native.samples(script_lines(data)), top=40)
     (ctx.logs / f"{stem}.leaves.txt").write_text(
         "".join(f"{n:7} {100 * n / max(1, found.total):5.1f}%  {leaf}\n" for leaf, n in found.leaves))
-    data.unlink(missing_ok=True)  # tens of MB; the split and the leaves are kept
+    if found.total:
+        data.unlink(missing_ok=True)  # tens of MB; the split and the leaves are kept
+    else:
+        ctx.say(f"{stem}: perf recorded no sample: see {data.with_suffix('.log')}")
     cpu_us = cpu * 1e6 / units if units else math.nan
     counts = native.grouped(native.stat_counts(stat.read_text().splitlines())) if stat.exists() else {}
     out: Figures = {f"{load}_rate": rate, f"{load}_cpu_us": cpu_us,

@@ -5,9 +5,12 @@
 The fast fake engine and wrk share core 0; the gateway runs alone on core 1. wrk sends the overhead benchmark's
 short chat (``--connections`` at a time) for ``--seconds`` while py-spy samples the gateway's stacks without
 stopping it (``--nonblocking``, 500 a second, every thread); the gateway's CPU per chat over the same window
-comes from /proc. Each sample is assigned to one stage of the path (``bench.workloads.stages``); a stage's
-figure is its share of the samples times the CPU per chat. The sampler adds a little CPU of its own to the
-gateway's (it reads the process's memory); ``overhead`` measures the CPU per chat without it.
+comes from /proc, and the loop thread's time run and time runnable but waiting for a core from its schedstat.
+Each sample is assigned to one stage of the path (``bench.workloads.stages``); the loop thread's samples stand
+for its time run and waited, a stage's figure is its share of them, and the wait (which py-spy cannot tell from
+work: the thread's stack sits just back from ``epoll_wait``) is taken out of the event loop's figure and shown
+apart. The sampler adds a little CPU of its own to the gateway's (it reads the process's memory); ``overhead``
+measures the CPU per chat without it.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import sys
 from pathlib import Path
 
 from bench.harness.context import Context
+from bench.harness.cpu import Sched
 from bench.harness.pairing import Figures, in_turns
 from bench.harness.results import Measure, Result
 from bench.targets import engines, proxies
 from bench.workloads import wrk
-from bench.workloads.stages import ORDER, shares
+from bench.workloads.stages import ORDER, shares, split_cpu
 
 SUMMARY = "the gateway's CPU per short chat, stage by stage (py-spy's samples split the measured CPU)"
 TARGETS = ["gateway", "baseline"]
@@ -40,6 +44,7 @@ MEASURES = [
     Measure("cpu_us", "gateway's CPU per chat (us), sampled", ".0f"),
     Measure("per_s", "chats/s", ".0f"),
     *(Measure(key(s), f"of which: {s} (us)", ".1f") for s in ORDER),
+    Measure("wait_us", "the loop thread runnable, waiting for a core (us): not CPU, out of the event loop's", ".1f"),
     Measure("samples", "samples (all runs)", ".0f", "none", "sum"),
 ]
 
@@ -47,6 +52,12 @@ MEASURES = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(seconds=20.0)
     parser.add_argument("--connections", type=int, default=1, help="chats at a time (1)")
+
+
+def loop_thread(pid: int) -> Sched:
+    """The loop's thread's (the process's main thread) schedstat: seconds run, seconds runnable but waiting."""
+    fields = Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()
+    return Sched(int(fields[0]) / 1e9, int(fields[1]) / 1e9, int(fields[2]))
 
 
 def py_spy() -> str:
@@ -77,18 +88,19 @@ def run(ctx: Context) -> Result:
              "--nonblocking", "--threads", "--format", "raw", "--output", str(out)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
         try:
-            cpu0 = target.cpu_seconds()
+            cpu0, loop0 = target.cpu_seconds(), loop_thread(target.pid)
             done = wrk.run(target.url + "/v1/chat/completions", wrk.SHORT_CHAT, args.connections, args.seconds,
                            ctx.cores.client)
-            cpu = target.cpu_seconds() - cpu0
+            cpu, loop = target.cpu_seconds() - cpu0, loop_thread(target.pid) - loop0
         finally:
             sampler.wait(args.seconds + 60)
         lines = out.read_text().splitlines() if out.exists() else []
-        split = shares(lines)
         per = cpu * 1e6 / done.requests if done.requests else float("nan")
+        stage_us = split_cpu(shares(lines), loop.ran, loop.waited, cpu, done.requests)
         figures: Figures = {"cpu_us": per, "per_s": done.per_second,
-                            "samples": float(sum(int(ln.rpartition(" ")[2]) for ln in lines if ln.strip()))}
-        figures |= {key(s): split.get(s, 0.0) * per for s in ORDER}
+                            "samples": float(sum(int(ln.rpartition(" ")[2]) for ln in lines if ln.strip())),
+                            "wait_us": loop.waited * 1e6 / done.requests if done.requests else float("nan")}
+        figures |= {key(s): stage_us.get(s, 0.0) for s in ORDER}
         return figures
 
     def said(name: str, turn: int, f: Figures) -> None:
@@ -96,6 +108,7 @@ def run(ctx: Context) -> Result:
 
     runs = in_turns(args.targets, args.repeat, measure, said)
     notes = [f"{args.connections} chat(s) at a time for {args.seconds:g} s a run; py-spy at {RATE} samples/s, "
-             "without stopping the gateway; a stage's figure is its share of the samples times the measured CPU "
-             "per chat (bench/workloads/stages.py says which frames make each stage)"]
+             "without stopping the gateway; a stage's figure is its share of the loop thread's samples times its "
+             "time run and waited per chat, the wait taken out of the event loop's; other threads: the process's "
+             "CPU beyond the loop thread's (bench/workloads/stages.py says which frames make each stage)"]
     return ctx.result(MEASURES, runs, ["baseline"], notes=notes)

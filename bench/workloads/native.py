@@ -53,26 +53,24 @@ class Sample:
         return bool(self.frames) and _is_kernel(self.frames[0][1])
 
 
-_FRAME = re.compile(r"^\s+[0-9a-f]+ (.*) \((.*)\)$")
+_FRAME = re.compile(r"^\t\s*[0-9a-f]+ (.*) \((.*)\)$")
 
 
 def samples(lines: Iterable[str]) -> Iterator[Sample]:
-    """The samples of ``perf script -F tid,ip,sym,dso``'s output: a header line (the thread), then one indented
-    line per frame, leaf first, a blank line between samples."""
+    """The samples of ``perf script -F tid,ip,sym,dso``'s output: a header line (the thread, padded to five
+    places: " 6984"), then one line per frame (a tab, the address, the function, the object file), leaf first, a
+    blank line between samples."""
     tid: str | None = None
     frames: list[tuple[str, str]] = []
     for raw in lines:
         line = raw.rstrip("\n")
-        if not line.strip():
-            if tid is not None and frames:
-                yield Sample(tid, tuple(frames))
-            tid, frames = None, []
-        elif not line[0].isspace():
-            if tid is not None and frames:
-                yield Sample(tid, tuple(frames))
-            tid, frames = line.strip(), []
-        elif (m := _FRAME.match(line)) is not None and tid is not None:
-            frames.append((m[1].split("+0x")[0], m[2]))
+        if (m := _FRAME.match(line)) is not None:
+            if tid is not None:
+                frames.append((m[1].split("+0x")[0], m[2]))
+            continue
+        if tid is not None and frames:
+            yield Sample(tid, tuple(frames))
+        tid, frames = (line.strip() or None), []
     if tid is not None and frames:
         yield Sample(tid, tuple(frames))
 

@@ -5,12 +5,18 @@ found from the stack's root: parse, count and plan, tenant limits, the engine's 
 with the engine. A sample outside it belongs to the first of the HTTP layer's own markers found from the stack's
 leaf: the access log, metrics, reading the request, writing the answer, the HTTP server; what is left of the
 loop's thread is the event loop's own; other threads (the access log's writer) are counted apart.
+
+py-spy's ``--nonblocking`` samples count a thread that is runnable but waiting for a core as active, its stack
+where it stopped: for the loop's thread, just back from ``epoll_wait``, no Python frame, the event loop's. On a
+machine whose other work takes the proxy's core now and then, that wait (not CPU) filled most of the event loop's
+figure (docs/overhead.md, "Where the event loop's time went"). ``split_cpu`` takes the samples as the loop thread's
+time run and waited, and takes the wait, measured from the kernel's schedstat, out of the event loop's figure.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 # (stage, function name, a piece of its file's path) from the root down, inside the pipeline.
 PIPELINE = "handle (gateway/guard/pipeline.py"
@@ -99,3 +105,19 @@ def shares(raw_lines: Iterable[str]) -> dict[str, float]:
         counts[stage_of(frames, loop_thread)] += int(count)
     total = sum(counts.values())
     return {s: counts[s] / total for s in ORDER} if total else {}
+
+
+def split_cpu(stage_shares: Mapping[str, float], ran_s: float, waited_s: float, cpu_s: float,
+              units: float) -> dict[str, float]:
+    """Each stage's CPU per unit (microseconds). The loop thread's samples stand for its time run and waited
+    (``ran_s``, ``waited_s``: its schedstat over the run), the wait is taken out of the event loop's figure (a
+    thread woken from ``epoll_wait`` waits there, no Python frame on its stack), and the other threads get the
+    process's CPU (``cpu_s``) beyond the loop thread's."""
+    if not units:
+        return {}
+    on_loop = {s: v for s, v in stage_shares.items() if s != OTHER_THREADS}
+    total = sum(on_loop.values())
+    out = {s: v / total * (ran_s + waited_s) * 1e6 / units for s, v in on_loop.items()} if total else {}
+    out[LOOP] = max(0.0, out.get(LOOP, 0.0) - waited_s * 1e6 / units)
+    out[OTHER_THREADS] = max(0.0, cpu_s - ran_s) * 1e6 / units
+    return out

@@ -36,14 +36,14 @@ SCRIPT = f"""25028
 \t19d5c2 _PyEval_EvalFrameDefault ({PY})
 \t7f57f46a5a40 [unknown] ([unknown])
 
-25043
+ 6984
 \t1257c0 uv_timer_stop+0x10 ({UVLOOP})
 """
 
 
 def test_a_perf_script_is_read_as_samples_leaf_first() -> None:
     found = list(samples(SCRIPT.splitlines()))
-    assert [s.tid for s in found] == ["25028", "25028", "25043"]
+    assert [s.tid for s in found] == ["25028", "25028", "6984"]  # perf pads a short thread id with spaces
     assert found[0].frames[0] == ("_raw_spin_unlock_irqrestore", KERNEL) and found[0].in_kernel
     assert found[2].frames == (("uv_timer_stop", UVLOOP),)  # the offset is not part of the name
 

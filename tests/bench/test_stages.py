@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.workloads.stages import BACKGROUND, LOOP, ORDER, OTHER_THREADS, shares, stage_of
+from bench.workloads.stages import BACKGROUND, LOOP, ORDER, OTHER_THREADS, shares, split_cpu, stage_of
 
 ROOT = ["thread (0x7f): MainThread", "<module> (gateway/cli.py:154)", "Server.run (uvicorn/server.py:86)",
         "Runner.run (asyncio/runners.py:118)"]
@@ -62,3 +62,20 @@ def test_the_shares_of_a_raw_profile_add_up_to_one_in_the_paths_order() -> None:
     assert list(got) == list(ORDER)
     assert (got[LOOP], got["the engine's body"], got[OTHER_THREADS]) == (0.6, 0.2, 0.2)
     assert shares([]) == {}
+
+
+def test_the_loop_thread_s_wait_for_a_core_is_taken_out_of_the_event_loop_not_spread_over_the_stages() -> None:
+    # 1,000 chats; the loop thread ran 0.8 s and waited 0.3 s for a core, its samples (which count the wait as
+    # work) half the event loop's, half counting; the process spent 0.9 s in all (0.1 s in other threads).
+    got = split_cpu({LOOP: 0.45, "count and plan": 0.45, OTHER_THREADS: 0.1}, ran_s=0.8, waited_s=0.3, cpu_s=0.9,
+                    units=1000)
+    assert got["count and plan"] == pytest.approx(550)  # half of the 1,100 us a chat run and waited
+    assert got[LOOP] == pytest.approx(250)  # 550 less the 300 us waited
+    assert got[OTHER_THREADS] == pytest.approx(100)
+    assert sum(got.values()) == pytest.approx(900)  # the process's CPU per chat, all told
+
+
+def test_a_wait_larger_than_the_event_loop_s_samples_leaves_it_at_zero() -> None:
+    got = split_cpu({LOOP: 0.1, "HTTP server": 0.9}, ran_s=0.5, waited_s=0.5, cpu_s=0.5, units=100)
+    assert got[LOOP] == 0.0 and got["HTTP server"] == pytest.approx(9000)
+    assert split_cpu({LOOP: 1.0}, 0.1, 0.1, 0.1, units=0) == {}
