@@ -104,3 +104,15 @@ def test_a_taskset_list_names_its_cores(spec: str, cores: set[int]) -> None:
 def test_a_module_of_this_repository_runs_with_this_interpreter() -> None:
     assert python("bench.servers.fake_engine", "--port", "1") == [sys.executable, "-m", "bench.servers.fake_engine",
                                                                   "--port", "1"]
+
+
+def test_without_vllm_the_frontend_target_is_left_out_and_nothing_starts(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from bench.targets import frontend
+
+    monkeypatch.setattr(frontend, "unavailable", lambda: "vLLM is not installed in this environment")
+    ctx = Context("unit", argparse.Namespace(), [], out_dir=tmp_path, cache=tmp_path)
+    names = ["engine", "gateway", "frontend"]
+    with ctx:
+        assert frontend.start(ctx, names, ()) == {}
+    assert names == ["engine", "gateway"] and ctx.targets == {}
