@@ -293,6 +293,19 @@ def one_at_a_time(make_gateway: Callable[..., GatewayServer], keys_file: Path) -
     return make_gateway()
 
 
+@pytest.fixture
+def slow_tokens(sim: SimServer) -> Iterator[None]:
+    """Tokens 0.2 s apart for one test: its first stream (5 tokens) still runs while the test sends beside it,
+    however busy the host (at the module's 1 ms a token it could end first, and free its slot, on a loaded one)."""
+    before = sim.sim.config.token_delay
+    sim.sim.config.token_delay = 0.2
+    try:
+        yield
+    finally:
+        sim.sim.config.token_delay = before
+
+
+@pytest.mark.usefixtures("slow_tokens")
 async def test_concurrent_requests_over_the_limit_are_refused_while_the_first_runs(
     one_at_a_time: GatewayServer,
 ) -> None:
