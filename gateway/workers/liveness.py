@@ -4,7 +4,9 @@ socket open, so only silence shows it.
 The authority sends a heartbeat (``messages.Alive``) every ``ALIVE_EVERY`` seconds besides everything else it
 sends. A worker that hears nothing from it for ``SILENT_AFTER`` seconds calls it silent: every request that
 would wait on it is refused at once (503 ``authority_unresponsive`` with ``Retry-After``), and the worker's
-``/health`` answers 503 with the reason, from the worker itself. The first message from the authority ends it.
+``/health`` answers 503 with the reason, from the worker itself; the requests already waiting on it are refused
+as the silence begins (``on_silent``), not at the end of their own limit (``--queue-timeout``, 300 s by default).
+The first message from the authority ends it.
 
 The judgement is made on a timer of the worker's own loop, and only by a tick that came on time: a worker whose
 own loop was held (a long request on it, the host starved) wakes to the authority's messages still unread, and
@@ -30,9 +32,12 @@ CODE = "authority_unresponsive"
 class Liveness:
     """The authority's silence as this worker judges it, from when its channel last heard anything."""
 
-    def __init__(self, heard_at: Callable[[], float], clock: Callable[[], float]) -> None:
+    def __init__(
+        self, heard_at: Callable[[], float], clock: Callable[[], float], on_silent: Callable[[], None] | None = None
+    ) -> None:
         self._heard_at = heard_at
         self._clock = clock
+        self._on_silent = on_silent
         self.silent_since: float | None = None  # when the silence began (the last word heard), while silent
         self._ticked: float | None = None
 
@@ -58,6 +63,8 @@ class Liveness:
             self.silent_since = heard
             log.error("the admission authority has said nothing for %.1f s (limit %g s); this worker refuses what "
                       "would wait on it until it does", now - heard, SILENT_AFTER)
+            if self._on_silent is not None:
+                self._on_silent()
 
     async def run(self) -> None:
         while True:

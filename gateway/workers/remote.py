@@ -75,7 +75,7 @@ class AuthorityClient:
         self.supervisors: list[SupervisorMirror] = []
         self.channel = Channel(self._on_message, self._on_lost)
         loop = asyncio.get_running_loop()
-        self.liveness = Liveness(lambda: self.channel.heard_at, loop.time)
+        self.liveness = Liveness(lambda: self.channel.heard_at, loop.time, self._refuse_waiting)
         self.state_seen = asyncio.Event()
         self.lost = asyncio.Event()
         self._keys = itertools.count(1)
@@ -114,6 +114,13 @@ class AuthorityClient:
         if self.liveness.silent:
             return self.liveness.refusal()
         return None
+
+    def _refuse_waiting(self) -> None:
+        """The authority fell silent: the requests waiting on it are refused now (each withdraws its admit, so a
+        thawed authority frees what it held for them)."""
+        for waiter in self._replies.values():
+            if not waiter.done():
+                waiter.set_exception(self.liveness.refusal())
 
     def knows(self, key: int) -> bool:
         return key in self._known

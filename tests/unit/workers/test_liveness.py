@@ -67,3 +67,12 @@ def test_a_word_from_the_authority_ends_the_silence(clock: Clock, liveness: Live
     clock.heard = clock.now
     liveness.heard()
     assert not liveness.silent
+
+
+def test_the_silence_is_told_once_as_it_begins(clock: Clock) -> None:
+    told: list[float] = []
+    liveness = Liveness(lambda: clock.heard, lambda: clock.now, lambda: told.append(clock.now))
+    liveness.tick()
+    ticking(clock, liveness, SILENT_AFTER + 2 * WATCH_EVERY)
+    ticking(clock, liveness, 2.0)
+    assert len(told) == 1 and liveness.silent

@@ -176,6 +176,22 @@ async def test_a_wait_on_the_authority_is_bounded_and_withdrawn_when_given_up(
     assert await sent(wire) == [Withdraw(g.key)]
 
 
+async def test_a_request_waiting_when_the_authority_falls_silent_is_refused_then_and_withdrawn(
+    client: AuthorityClient, wire: Transport
+) -> None:
+    g = grant(client)
+    entering = asyncio.create_task(g.admit(booked(client), lambda: None).__aenter__())  # --queue-timeout's wait
+    await sent(wire)
+    loop = asyncio.get_running_loop()
+    client.channel.heard_at = loop.time() - 60.0  # nothing heard for a minute
+    client.liveness.tick()
+    client.liveness.tick()  # the second tick is on time: the silence is the authority's
+    with pytest.raises(UpstreamUnavailable) as refused:
+        await asyncio.wait_for(entering, 1.0)
+    assert refused.value.code == CODE and refused.value.retry_after is not None
+    assert await sent(wire) == [Withdraw(g.key)]
+
+
 async def test_a_client_that_leaves_while_it_waits_is_withdrawn(client: AuthorityClient, wire: Transport) -> None:
     g = grant(client)
     entering = asyncio.create_task(g.admit(booked(client), lambda: None).__aenter__())
