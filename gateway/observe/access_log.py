@@ -151,7 +151,12 @@ class AccessLog:
 
     @property
     def on(self) -> bool:
-        return self.fmt != "off" and self._logger.isEnabledFor(logging.INFO)
+        """Whether a record is written: the default writer writes whatever ``--log-level`` says of other logs (the
+        access log is ``--access-log``'s; at ``--log-level warning`` the authority wrote its workers' lines, which
+        reach it as records, and dropped its own); a logger the operator routes follows its own level."""
+        if self.fmt == "off":
+            return False
+        return _direct is not None or self._logger.isEnabledFor(logging.INFO)
 
     def write(self, record: AccessRecord) -> None:
         direct = _direct

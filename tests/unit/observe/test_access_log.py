@@ -89,6 +89,22 @@ def test_the_default_handler_writes_plain_lines_through_its_thread_and_stops() -
     assert (logger.handlers, logger.propagate, logger.level) == ([], True, logging.NOTSET)
 
 
+def test_the_default_handler_writes_every_record_whatever_the_log_level() -> None:
+    out = io.StringIO()
+    logger = logging.getLogger(LOGGER_NAME)
+    logger.setLevel(logging.WARNING)  # --log-level warning: other logs quiet, the access log still on
+    listener = install_default_handler("text", out)
+    assert listener is not None
+    try:
+        log = AccessLog("text")
+        assert log.on
+        log.write(RECORD)
+    finally:
+        listener.stop()
+        logger.setLevel(logging.NOTSET)
+    assert out.getvalue() == format_text(RECORD) + "\n"
+
+
 def test_off_installs_nothing() -> None:
     assert install_default_handler("off") is None
 
