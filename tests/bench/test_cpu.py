@@ -58,7 +58,8 @@ def test_a_meter_gives_what_this_process_spent_over_its_stretch() -> None:
     while time.process_time() - t < 0.05:
         pass
     spent = meter.stop()
-    assert spent["client"] >= 0.04 and spent["me"] >= 0.0
+    # /proc counts in clock ticks (10 ms): 0.05 s of CPU can read one tick short, and 4 ticks as 0.0399999...
+    assert spent["client"] >= 0.03 and spent["me"] >= 0.0
 
 
 @linux
