@@ -243,8 +243,10 @@ class ClientStates(RuleBasedStateMachine):
             self.loop.close()
 
 
+# The suite explores the same examples on every run (derandomize: the suite's verdict does not vary with the
+# seed); a wider search runs with a profile of one's own, e.g. max_examples=300, stateful_step_count=15.
 ClientStates.TestCase.settings = settings(
-    max_examples=25, stateful_step_count=8, deadline=None,
+    max_examples=25, stateful_step_count=8, deadline=None, derandomize=True, database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_the_client_keeps_its_invariants_whatever_the_engine_does = ClientStates.TestCase
