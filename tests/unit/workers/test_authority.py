@@ -26,9 +26,9 @@ from gateway.workers.messages import (
     Progress,
     Release,
     Withdraw,
-    decode,
     encode,
 )
+from tests.unit.workers.transport import Transport
 
 
 class Booked:
@@ -56,29 +56,6 @@ class Booked:
         if self.released is None:
             self.released = completed
         self.held = False
-
-
-class Transport:
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
-
-    def sent(self) -> list[Message]:
-        out, at = [], 0
-        while at < len(self.data):
-            (length,) = struct.unpack_from(">I", self.data, at)
-            out.append(decode(orjson.loads(bytes(self.data[at + 4 : at + 4 + length]))))
-            at += 4 + length
-        self.data.clear()
-        return out
 
 
 class Tenants:

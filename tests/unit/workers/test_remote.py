@@ -4,11 +4,9 @@ sent; its tenant charged once; every wait on the authority bounded, and withdraw
 from __future__ import annotations
 
 import asyncio
-import struct
 from types import SimpleNamespace
 from typing import Any
 
-import orjson
 import pytest
 
 from gateway.config import Settings
@@ -24,33 +22,10 @@ from gateway.workers.messages import (
     Refused,
     Release,
     Withdraw,
-    decode,
     error_data,
 )
 from gateway.workers.remote import AuthorityClient, RemoteAdmission, RemoteGrant, RemoteReservation
-
-
-class Transport:
-    def __init__(self) -> None:
-        self.data = bytearray()
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-    def get_write_buffer_size(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
-
-    def sent(self) -> list[Message]:
-        out, at = [], 0
-        while at < len(self.data):
-            (length,) = struct.unpack_from(">I", self.data, at)
-            out.append(decode(orjson.loads(bytes(self.data[at + 4 : at + 4 + length]))))
-            at += 4 + length
-        self.data.clear()
-        return out
+from tests.unit.workers.transport import Transport
 
 
 @pytest.fixture
