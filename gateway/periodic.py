@@ -1,10 +1,10 @@
 """Background loops that do one thing every so often: one owned task per loop, started and stopped one way.
 
-A ``Periodic`` runs its ``run`` (a plain or an async function) every ``every`` seconds, first at once or one
-interval after ``start`` (``immediately``). The interval is counted from the end of one run to the start of the
-next, as a sleep: a slow run delays the ones after it, and runs never overlap. ``every`` may be a function, read
-before each sleep, for a loop that paces itself; ``jitter`` spreads the sleeps (a fraction of the interval either
-side) so that loops of many processes drift apart.
+A ``Periodic`` runs its ``run`` (a plain or an async function; what it returns is ignored) every ``every``
+seconds, first at once or one interval after ``start`` (``immediately``). The interval is counted from the end of
+one run to the start of the next, as a sleep: a slow run delays the ones after it, and runs never overlap. ``every``
+may be a function, read before each sleep, for a loop that paces itself; ``jitter`` spreads the sleeps (a fraction
+of the interval either side) so that loops of many processes drift apart.
 
 A run that raises is logged with its traceback once per streak of failures, the next ones of the streak at debug
 level, and the end of the streak once, with its length: a loop that fails every tick must not fill the log, nor
@@ -23,6 +23,7 @@ import inspect
 import logging
 import random
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class Periodic:
 
     def __init__(
         self,
-        run: Callable[[], Awaitable[None] | None],
+        run: Callable[[], object],
         every: Every,
         *,
         name: str,
@@ -77,17 +78,8 @@ class Periodic:
     async def stop(self) -> None:
         """Cancel the loop and wait until it has ended (at once when it is not running)."""
         task, self._task = self._task, None
-        if task is None or task.done():
-            return
-        if task is asyncio.current_task():
-            return  # a run stopping its own loop: the loop ends as the run returns
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise  # the caller itself is being cancelled: that goes on
+        if task is not asyncio.current_task():  # a run stopping its own loop: the loop ends as the run returns
+            await cancel_and_wait(task)
 
     def interval(self) -> float:
         """The next sleep: ``every``, spread by ``jitter``."""
@@ -123,3 +115,17 @@ class Periodic:
             self._log.warning("%s %d times in a row; it works again", self._failed, self.failures)
             self.failures = 0
         return True
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancel ``task`` and wait until it has ended. The caller's own cancellation, should it come meanwhile, goes
+    on (it is not taken for the task's)."""
+    if task is None or task.done():
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise

@@ -52,8 +52,11 @@ OUTSIDE_STAGES: tuple[tuple[str, str], ...] = (
     ("HTTP server", "httptools"),
     ("HTTP server", "gateway/http/"),
 )
-# Tasks of the gateway's own that no request started: the engines' scrapes and probes, the live page's history.
-BACKGROUND_ROOTS = ("EngineView.", "gateway/observe/history.py", "gateway/engine/probe", "ProgressDetector.")
+# Tasks of the gateway's own that no request started: its periodic loops (the engines' scrapes, the live page's
+# history), the engines' probes.
+BACKGROUND_ROOTS = (
+    "gateway/periodic.py", "EngineView.", "gateway/observe/history.py", "gateway/engine/probe", "ProgressDetector.",
+)
 LOOP = "event loop: sockets, timers"
 BACKGROUND = "background tasks (scrapes)"
 OTHER_THREADS = "other threads (off the loop)"

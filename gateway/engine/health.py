@@ -16,6 +16,8 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
+from gateway.periodic import Periodic
+
 log = logging.getLogger(__name__)
 
 HEALTH_PATH = "/health"
@@ -32,10 +34,11 @@ class EngineHealth:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._fetch = fetch
-        self._interval = interval
-        self._sleep = sleep
         self.status: int | None = None  # the latest answer's HTTP status; None before one came
-        self._task: asyncio.Task[None] | None = None
+        self._timer = Periodic(
+            lambda: self.check(), interval, name="engine-health", failed="the engine health check crashed",
+            logger=log, sleep=sleep,
+        )
 
     @property
     def unhealthy(self) -> bool:
@@ -56,25 +59,8 @@ class EngineHealth:
         self.status = status
 
     async def start(self) -> None:
-        if self._fetch is not None and (self._task is None or self._task.done()):
-            self._task = asyncio.create_task(self._run(), name="engine-health")
+        if self._fetch is not None:
+            self._timer.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is None or task.done():
-            return
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.check()
-            except Exception:
-                log.exception("the engine health check crashed")  # the timer itself must never die
-            await self._sleep(self._interval)
+        await self._timer.stop()

@@ -26,6 +26,7 @@ from gateway.engine.queue_cap import QueueCap
 from gateway.engine.vllm_api import EngineMetrics, RankMetrics, parse_metrics
 from gateway.errors import GatewayError
 from gateway.metrics import Metrics
+from gateway.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -103,18 +104,20 @@ class EngineView:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._fetch = fetch
-        self._interval = interval
         self._stale_after = stale_after
         self._metrics = metrics
         self._clock = clock
-        self._sleep = sleep
         self.snapshot: EngineSnapshot = never_scraped(clock())
         self._last_ok_at: float | None = None
         self.failures = 0  # scrapes failed in a row
         self.last_failure: str | None = None  # why the latest failed scrape failed
         self._last_preemptions: float | None = None
         self._listeners: list[SnapshotListener] = []
-        self._task: asyncio.Task[None] | None = None
+        # refresh catches fetch errors itself; the timer's own guard is against bugs, so that it never dies.
+        self._timer = Periodic(
+            lambda: self.refresh(), interval, name="engine-view", failed="engine scrape crashed",
+            logger=log, sleep=sleep,
+        )
         self.queue_cap = QueueCap(clock)  # whether vLLM's own queue cap refuses requests now
 
     def on_snapshot(self, cb: SnapshotListener) -> None:
@@ -171,26 +174,7 @@ class EngineView:
         return new
 
     async def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="engine-view")
+        self._timer.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.refresh()
-            except Exception:
-                # refresh catches fetch errors itself; this guards against bugs so the timer never dies.
-                log.exception("engine scrape crashed")
-            await self._sleep(self._interval)
+        await self._timer.stop()

@@ -63,6 +63,7 @@ from gateway.engine.client import Upstream
 from gateway.engine.live import EngineSnapshot
 from gateway.errors import GatewayError, UpstreamHung
 from gateway.metrics import Metrics
+from gateway.periodic import Periodic, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,6 @@ class ProgressDetector:
         self.probe = probe
         self._metrics = metrics
         self._clock = clock
-        self._sleep = sleep
         self.in_flight = 0  # the gateway's requests open to this engine
         self.hangs = 0
         self.hung_since: float | None = None
@@ -162,7 +162,10 @@ class ProgressDetector:
         self._ids = itertools.count()
         self._last_probe: float | None = None
         self._probing: asyncio.Task[None] | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._timer = Periodic(
+            lambda: self.tick(), lambda: min(1.0, self.timeout / 10), name="engine-progress",
+            failed="the engine progress check crashed", logger=log, sleep=sleep,
+        )
 
     @property
     def hung(self) -> bool:
@@ -354,29 +357,12 @@ class ProgressDetector:
 
     # -- the timer -------------------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="engine-progress")
+        self._timer.start()
 
     async def stop(self) -> None:
-        for task in (self._task, self._probing):
-            if task is not None and not task.done():
-                task.cancel()
-                try:
-                    await task
-                except asyncio.CancelledError:
-                    current = asyncio.current_task()
-                    if current is not None and current.cancelling():
-                        raise
-        self._task = self._probing = None
-
-    async def _run(self) -> None:
-        interval = min(1.0, self.timeout / 10)
-        while True:
-            try:
-                self.tick()
-            except Exception:
-                log.exception("the engine progress check crashed")  # the timer itself must never die
-            await self._sleep(interval)
+        await self._timer.stop()
+        probing, self._probing = self._probing, None
+        await cancel_and_wait(probing)
 
     def status(self) -> ProgressStatus:
         return {

@@ -389,4 +389,4 @@ async def test_the_timer_ticks_until_stopped_and_its_tasks_are_awaited() -> None
         await sleep.wake_and_run()
     assert detector.hung and sleep.delays[0] == pytest.approx(1.0)
     await detector.stop()
-    assert detector._task is None
+    assert not detector._timer.running
