@@ -1,6 +1,6 @@
 """The live page's memory: what the gateway looked like each second over the last ten minutes.
 
-A ``Sampler`` task, owned by the app's lifespan, reads once a second what already exists (the admission
+A ``Sampler``'s periodic loop, owned by the app's lifespan, reads once a second what already exists (the admission
 status, the upstream's state, the Prometheus counters) into a ``History`` of fixed size. The request path pays
 nothing for it beyond one bounded append per TTFT and per admission (``Metrics.recent_*``), from which the
 sampler computes percentiles over a trailing window.
@@ -9,7 +9,6 @@ sampler computes percentiles over a trailing window.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import math
@@ -22,6 +21,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from gateway.metrics import Metrics
+from gateway.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,12 @@ class Sampler:
         self.interval = interval
         self._clock = clock
         self._wall = wall
-        self._sleep = sleep
-        self._task: asyncio.Task[None] | None = None
+        # The first sample waits one interval: before the engine's first scrape its state is unknown, and a sample
+        # at once would show it down. A bug in a sample must not end the history, nor reach the request path.
+        self._timer = Periodic(
+            lambda: self.sample(), lambda: self.interval, name="ui-history", immediately=False,
+            failed="sampling the gateway for /guard/ui failed", logger=log, sleep=sleep,
+        )
         self._previous: tuple[float, dict[str, dict[str, float]]] | None = None
         self._ttft: deque[list[float]] = deque(maxlen=PERCENTILE_WINDOW)
         self._queue_wait: deque[list[float]] = deque(maxlen=PERCENTILE_WINDOW)
@@ -159,25 +163,11 @@ class Sampler:
         self.started: float | None = None  # when this history began: a page that saw another start over
 
     async def start(self) -> None:
-        # The first sample waits one interval: before the engine's first scrape its state is unknown, and
-        # a sample now would show it down.
         self.started = round(self._wall(), 3)
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="ui-history")
+        self._timer.start()
 
     async def stop(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    async def _run(self) -> None:
-        while True:
-            await self._sleep(self.interval)
-            try:
-                self.sample()
-            except Exception:  # a bug here must not end the history, nor reach the request path
-                log.exception("sampling the gateway for /guard/ui failed")
+        await self._timer.stop()
 
     def sample(self) -> Sample:
         """Take one sample now, store it, and return it."""

@@ -236,9 +236,9 @@ async def test_the_sampler_samples_each_interval_until_stopped() -> None:
     await sleep.wake_and_run()
     assert sampler.history.last_id == 2
     assert sleep.delays[:2] == [1.0, 1.0]
-    task = sampler._task
+    assert sampler._timer.running
     await sampler.stop()
-    assert task is not None and task.cancelled()
+    assert not sampler._timer.running
     await sampler.stop()  # twice is harmless
 
 

@@ -82,7 +82,7 @@ async def test_a_call_that_blocks_the_loop_shows_in_the_metric() -> None:
 async def test_stopping_ends_the_task_and_is_idempotent() -> None:
     lag = LoopLag(lambda s: None, interval=0.01)
     await lag.start()
-    task = lag._task
+    assert lag._timer.running
     await lag.stop()
     await lag.stop()
-    assert task is not None and task.done()
+    assert not lag._timer.running
