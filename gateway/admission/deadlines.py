@@ -149,8 +149,8 @@ class Deadlines:
         # An objective is the gateway's aim, not the client's deadline: it judges a request as it arrives (refused
         # at once when forecast to miss it), and a request it queued is served however long it then waits, within
         # the client's own deadline and the queue timeout. Refused at the end of its wait instead, it would have
-        # waited seconds for a 503 (p99 4.3 s after arrival with --ttft-objective 5, docs/realistic.md) where the
-        # engine could still serve it, a little late.
+        # waited seconds for a 503 (p99 4.3 s after arrival with --ttft-objective 5,
+        # docs/history/realistic-default-objective.md) where the engine could still serve it, a little late.
         client = r.deadline - engine if r.deadline is not None else math.inf
         then = WaitLimit(client, True, engine) if client < self.queue_timeout else WaitLimit(
             self.queue_timeout, False, engine)

@@ -6,9 +6,10 @@ it calls ``sched_yield`` in a loop for a second before it sleeps on a socket (``
 with vLLM's API server and the gateway (a small host; vLLM's CPU build, whose worker holds the other cores), that
 spin takes the turns they need to read requests and relay tokens. A higher niceness leaves the engine core's own
 work first whenever no one else waits, and hands the core to the others when they do. Measured on two cores at 24
-chat streams a second (docs/realistic.md, "Where a first token's time goes at capacity"): with the engine core at
-niceness 10 the gateway's event loop ran 25-78 ms late instead of 45-440 ms, and its mean time to first token came
-to 1.15x vLLM alone's instead of 3.5-12x (median 6x), at the same tokens a second.
+chat streams a second (docs/history/realistic-engine-core-niceness.md, "Where a first token's time goes at
+capacity"): with the engine core at niceness 10 the gateway's event loop ran 25-78 ms late instead of 45-440 ms,
+and its mean time to first token came to 1.15x vLLM alone's instead of 3.5-12x (median 6x), at the same tokens a
+second.
 
 Linux keeps a niceness per thread, and a thread takes its creator's: each thread of the process is set, once the
 engine is ready (its threads are started by then; any later one inherits from its starter).
