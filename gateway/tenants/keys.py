@@ -34,6 +34,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gateway.errors import ConfigInvalid
+from gateway.periodic import Periodic
 from gateway.tenants.limits import NO_LIMITS, TenantLimits
 
 log = logging.getLogger(__name__)
@@ -254,9 +255,9 @@ class KeysFile:
             self._on_reload(True)
         return True
 
-    async def watch(self, interval: float = POLL_SECONDS,
-                    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
-        while True:
-            await sleep(interval)
-            # A stat and, rarely, a small parse: cheap enough for the event loop.
-            self.poll()
+    def watcher(self, interval: float = POLL_SECONDS,
+                sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> Periodic:
+        """The loop that polls the file every ``interval`` seconds, the first time one interval after its start."""
+        # A stat and, rarely, a small parse: cheap enough for the event loop.
+        return Periodic(self.poll, interval, name="keys-file-watch", immediately=False,
+                        failed=f"watching the keys file {self.path} failed", logger=log, sleep=sleep)

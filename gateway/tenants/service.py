@@ -8,7 +8,6 @@ reservation, then settles the charge to the real usage when the request ends, ho
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import itertools
 import logging
@@ -23,6 +22,7 @@ from typing import Protocol
 from gateway.config import Settings
 from gateway.errors import TenantRateLimited
 from gateway.metrics import Metrics
+from gateway.periodic import Periodic
 from gateway.tenants.keys import DEFAULT_TENANT, KeyDirectory, KeysFile, Tenant
 from gateway.tenants.limits import Ask, LocalWindows, Standing, Ticket, ratelimit_headers
 from gateway.tenants.redis import RedisWindows, SharedWindows
@@ -73,7 +73,7 @@ class Tenants:
             )
         self._slot_prefix = secrets.token_hex(6)  # concurrency slots are unique across replicas
         self._slots = itertools.count(1)
-        self._watch: asyncio.Task[None] | None = None
+        self._watch: Periodic | None = None
 
     # -- keys ---------------------------------------------------------------------------------------
     @property
@@ -89,15 +89,14 @@ class Tenants:
 
     # -- lifetime -----------------------------------------------------------------------------------
     async def start(self, poll_interval: float | None = None) -> None:
-        if self._file is not None:
-            watch = self._file.watch() if poll_interval is None else self._file.watch(poll_interval)
-            self._watch = asyncio.create_task(watch, name="keys-file-watch")
+        if self._file is not None and self._watch is None:
+            self._watch = self._file.watcher() if poll_interval is None else self._file.watcher(poll_interval)
+            self._watch.start()
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            await watch.stop()
         if isinstance(self.windows, SharedWindows):
             await self.windows.close()
 

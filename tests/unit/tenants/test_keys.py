@@ -3,6 +3,7 @@ that match like plain ones, and reloads that keep the old file when the new one 
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import os
@@ -13,6 +14,7 @@ import pytest
 from gateway.errors import ConfigInvalid
 from gateway.tenants.keys import DEFAULT, KeysFile, key_digest, load_keys_file
 from gateway.tenants.limits import TenantLimits
+from tests.support.clock import ManualSleep
 
 SECRET = "sk-search-0f3c9a"
 HASHED = "sha256:" + hashlib.sha256(b"sk-batch-77e1d2").hexdigest()
@@ -149,6 +151,22 @@ def test_a_changed_file_is_reloaded_and_a_bad_one_keeps_the_old(
 
     touch_later(path, YAML)
     assert keys.poll() is True and keys.current.tenants["search"].weight == 3
+
+
+async def test_the_watcher_polls_the_file_one_interval_after_its_start_and_each_interval_after(tmp_path: Path) -> None:
+    path = write(tmp_path, "keys.yaml", YAML)
+    reloads: list[bool] = []
+    keys, sleep = KeysFile(path, on_reload=reloads.append), ManualSleep()
+    watcher = keys.watcher(2.5, sleep=sleep)
+    touch_later(path, YAML.replace("weight: 3", "weight: 4"))
+    watcher.start()
+    await asyncio.sleep(0)
+    assert reloads == [] and sleep.delays == [2.5]
+    await sleep.wake_and_run()
+    assert reloads == [True] and keys.current.tenants["search"].weight == 4
+    await sleep.wake_and_run()
+    assert reloads == [True] and sleep.delays == [2.5, 2.5, 2.5]
+    await watcher.stop()
 
 
 def test_a_file_that_disappears_keeps_the_old_version(tmp_path: Path) -> None:
