@@ -1,1 +1,20 @@
-"""guard"""
+"""The request path of a guarded route: parse, count, plan, check the tenant, admit, exchange with the engine.
+
+``pipeline.handle`` is the whole life of one request after the HTTP layer has read it; ``parts.Parts`` is what
+every stage shares, typed on the seams of ``seams`` (what the request path needs from admission, tenants, an
+engine's progress and the access log), which one process and a worker of ``--workers`` fill differently.
+"""
+
+__all__ = [
+    "context",  # RequestContext, Reply, Booking: one request's state between the stages
+    "counting",  # exact prompt token counts, as vLLM computes them
+    "models",  # Models: the engine's served models with the tokenizer
+    "parts",  # Parts, Outcome
+    "pipeline",  # handle: the request path
+    "policy",  # the limits in force, the prompt policy
+    "prompts",  # the prompts of each request family
+    "protocol",  # the guarded routes' requests, parsed
+    "seams",  # the Protocols the request path is written against
+    "status",  # the engines' state, as /health and /guard/status report it
+    "stream",  # EngineStream: one relayed stream
+]

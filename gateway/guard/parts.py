@@ -11,6 +11,7 @@ from gateway.admission.reservation import Reservation
 from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.guard.models import Models
+from gateway.guard.seams import AccessLogging
 from gateway.metrics import Metrics
 from gateway.observe.access_log import AccessLog
 from gateway.observe.history import Sampler
@@ -39,7 +40,7 @@ class Parts:
     supervisors: list[Supervisor] = field(default_factory=list)
     rolling: RollingRestarts | None = None  # managed mode: restarts asked for or scheduled
     tracing: Tracing = field(default_factory=Tracing)  # requests' traces (--otlp-traces-endpoint; no-op without)
-    access_log: AccessLog = field(init=False)  # one line per guarded request (--access-log)
+    access_log: AccessLogging = field(init=False)  # one line per guarded request (--access-log)
     # With --workers: the other worker processes' metric families, gathered when /metrics is read.
     worker_metrics: Callable[[], Awaitable[list[Any]]] | None = None
     authority: Any = None  # with --workers: the admission authority's channel to its workers (its status)

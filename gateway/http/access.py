@@ -15,8 +15,9 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.guard.context import RequestContext
+from gateway.guard.seams import AccessLogging
 from gateway.http.errors import status_and_type
-from gateway.observe.access_log import AccessLog, AccessRecord
+from gateway.observe.access_log import AccessRecord
 from gateway.observe.tracing import trace_id_of_traceparent
 
 # The fields a client states its output limit in, by route family (gateway/guard/protocol.py reads the same).
@@ -55,7 +56,7 @@ class AccessEntry:
         "route",
     )
 
-    def __init__(self, log: AccessLog, route: str, request_id: str, headers: Mapping[str, str]) -> None:
+    def __init__(self, log: AccessLogging, route: str, request_id: str, headers: Mapping[str, str]) -> None:
         self._log = log
         self._started = time.perf_counter()
         self._time = time.time()

@@ -30,7 +30,8 @@ from gateway.config import Settings
 from gateway.errors import UpstreamUnavailable
 from gateway.guard.parts import Parts
 from gateway.metrics import Metrics
-from gateway.observe.access_log import AccessLog, AccessLogFormat, AccessRecord
+from gateway.observe.access_log import AccessLogFormat, AccessRecord
+from gateway.periodic import Periodic
 from gateway.tenants import Tenants
 from gateway.workers.channel import Channel
 from gateway.workers.liveness import CODE, Liveness
@@ -83,23 +84,23 @@ class AuthorityClient:
         self._replies: dict[int, asyncio.Future[Admitted | Refused]] = {}
         self._tokens: dict[int, int] = {}
         self._engines: dict[int, list[int]] = {}  # engine -> [opened - closed, chunks, answers] since last sent
-        self._tasks: list[asyncio.Task[None]] = []
+        # The flusher must never die: the authority would stop seeing this process's streams.
+        self._progress = Periodic(
+            self.flush, PROGRESS_EVERY, name="worker-progress", immediately=False,
+            failed="telling the authority this worker's progress failed", logger=log,
+        )
         self._told: dict[int, object] = {}  # engine -> the fingerprint the authority was told
 
     async def connect(self, path: str) -> None:
         loop = asyncio.get_running_loop()
         await loop.create_unix_connection(lambda: self.channel, path)
         await asyncio.wait_for(self.state_seen.wait(), 30)
-        self._tasks = [
-            loop.create_task(self._flush_progress(), name="worker-progress"),
-            loop.create_task(self.liveness.run(), name="worker-authority-liveness"),
-        ]
+        self._progress.start()
+        self.liveness.start()
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self._progress.stop()
+        await self.liveness.stop()
         self.channel.close()
 
     # -- requests -------------------------------------------------------------------------------------
@@ -175,14 +176,6 @@ class AuthorityClient:
 
     def send(self, message: Message) -> None:
         self.channel.send(message)
-
-    async def _flush_progress(self) -> None:
-        while True:
-            await asyncio.sleep(PROGRESS_EVERY)
-            try:
-                self.flush()
-            except Exception:  # the flusher must never die: the authority would stop seeing this process's streams
-                log.exception("telling the authority this worker's progress failed")
 
     def flush(self) -> None:
         learned = self._fingerprints()
@@ -326,11 +319,12 @@ class RemoteGrant:
         self._client.end(self.key, queue_ms)
 
 
-class ForwardedAccessLog(AccessLog):
-    """A worker's access log: each record goes to the authority, which writes every process's lines."""
+class ForwardedAccessLog:
+    """A worker's access log (``seams.AccessLogging``): each record goes to the authority, which writes every
+    process's lines."""
 
     def __init__(self, fmt: AccessLogFormat, client: AuthorityClient) -> None:
-        super().__init__(fmt)
+        self.fmt = fmt
         self._client = client
 
     @property
