@@ -35,7 +35,7 @@ esac
 
 # The workers matrix: the suites that cross the admission authority's channel (admission, tenants, the hostile
 # clients and upstreams, stream usage, the access log) once more with every gateway split into the authority and
-# a worker process (tests/support/harness.py). Only on a whole run: extra arguments choose a part of the suite.
+# a worker process (testing/gateway_thread.py). Only on a whole run: extra arguments choose a part of the suite.
 WORKERS_SUITES=(
     tests/integration/hostile
     tests/integration/test_admission_flood.py

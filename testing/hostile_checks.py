@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from gateway.config import Settings
-from tests.support.harness import GatewayServer
+from testing.gateway_thread import GatewayServer
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 MODELS_DIR = ROOT / ".models"
 VENV_BIN = Path(sys.executable).parent
 

@@ -39,7 +39,7 @@ from bench.harness.scrape import get_json
 from bench.targets import engines, proxies
 from bench.workloads.engine_runs import EngineRun, failures, measure
 from bench.workloads.prefix_groups import GROUPS, prefix_groups_args
-from tests.e2e.servers import SERVED_MODEL_NAME
+from testing.servers import SERVED_MODEL_NAME
 
 SUMMARY = "a data-parallel vLLM (2 ranks) alone and through the gateway: a flood, or two prefix groups"
 TARGETS = ["direct", "strict", "adaptive", "defaults"]

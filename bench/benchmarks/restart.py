@@ -30,7 +30,7 @@ from bench.harness.results import Measure, Result
 from bench.harness.target import Target
 from bench.targets import engines
 from bench.workloads.restart import crash_under_load
-from tests.e2e.servers import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN, SERVED_MODEL_NAME
+from testing.servers import DEFAULT_KV_CACHE_BYTES, DEFAULT_MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 SUMMARY = "managed mode: vLLM's bare start-up, the crash -> first success time under load, requests lost"
 TARGETS = ["managed"]

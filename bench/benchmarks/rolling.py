@@ -27,7 +27,7 @@ from bench.harness.results import Measure, Result
 from bench.harness.target import Target
 from bench.targets import engines
 from bench.workloads.rolling import ADMIN, KEY, MAX_MODEL_LEN, Round, drive_rounds
-from tests.e2e.servers import DEFAULT_KV_CACHE_BYTES, SERVED_MODEL_NAME
+from testing.servers import DEFAULT_KV_CACHE_BYTES, SERVED_MODEL_NAME
 
 SUMMARY = "two managed engines restarted one at a time under load: failures, gaps, /health, throughput"
 TARGETS = ["managed"]

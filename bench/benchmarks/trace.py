@@ -2,7 +2,7 @@
 
     python -m bench run trace [--copy-to docs/img/trace.png]
 
-Starts an OTLP/HTTP receiver (tests/support/otlp_receiver.py), a real vLLM (CPU build, the tests' tiny model) and
+Starts an OTLP/HTTP receiver (testing/otlp_receiver.py), a real vLLM (CPU build, the tests' tiny model) and
 a gateway, both with ``--otlp-traces-endpoint`` pointing at the receiver; after one request that warms them up,
 sends one streamed chat request carrying a client's ``traceparent`` per turn; reports each span's duration
 (medians over turns) and draws the last turn's trace as a Gantt chart.
@@ -20,8 +20,8 @@ from bench.harness.pairing import in_turns
 from bench.harness.results import Measure, Result
 from bench.targets import engines, proxies
 from bench.workloads.trace import CLIENT_SPAN, ENV, draw, send_traced
-from tests.e2e.servers import SERVED_MODEL_NAME
-from tests.support.otlp_receiver import ReceivedSpan, run_otlp_receiver
+from testing.otlp_receiver import ReceivedSpan, run_otlp_receiver
+from testing.servers import SERVED_MODEL_NAME
 
 SUMMARY = "one streamed chat's trace through the gateway into vLLM: each span's duration, drawn"
 TARGETS = ["gateway"]

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Sequence
 from types import TracebackType
 
-from tests.e2e.servers import metric_sum
+from testing.servers import metric_sum
 
 Sample = tuple[float, dict[str, float]]
 

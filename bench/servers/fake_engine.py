@@ -6,7 +6,7 @@
 A raw asyncio protocol with httptools on uvloop, no web framework, so that the engine side of a benchmark costs
 little of the core it shares with the load generator (it answers some 30,000 short chats a second on one core;
 ``python -m bench run fake-engine`` measures it). What it serves, in vLLM 0.32's shapes (the simulator's
-``tests/support/vllm_sim_wire.py`` and ``tests/bench/test_fake_engine.py`` hold them to the same bytes):
+``testing/vllm_sim/wire.py`` and ``tests/bench/test_fake_engine.py`` hold them to the same bytes):
 
 - ``POST /v1/chat/completions`` and ``/v1/completions``: without ``stream`` the whole answer at once; with it one
   event per token, ``--token-delay`` seconds apart (or the request's own ``fake_token_delay``, a field of this
@@ -36,7 +36,7 @@ from typing import Any
 import httptools
 import orjson
 
-# The simulator's words (tests/support/vllm_sim_wire.py), one per token, so that both stream the same text.
+# The simulator's words (testing/vllm_sim/wire.py), one per token, so that both stream the same text.
 WORDS = tuple(w.encode() for w in (
     "the ", "quick ", "brown ", "fox ", "jumps ", "over ", "a ", "lazy ", "dog ", "while ", "tokens ", "stream ",
     "out ", "of ", "the ", "simulated ", "engine ", "one ", "step ", "at ", "a ", "time "))  # fmt: skip

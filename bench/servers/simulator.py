@@ -1,4 +1,4 @@
-"""The vLLM simulator of the test suite (tests/support/vllm_sim.py) as a server of its own, for benchmarks.
+"""The vLLM simulator of the test suite (testing/vllm_sim/) as a server of its own, for benchmarks.
 
     python -m bench.servers.simulator --port 8000 [--token-delay 0.02] [--num-blocks 1000000] [--tokenizer DIR]
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import uvicorn
 
-    from tests.support.vllm_sim import SimConfig, create_sim_app
+    from testing.vllm_sim import SimConfig, create_sim_app
 
     tokenizer = None
     if args.tokenizer:

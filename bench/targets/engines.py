@@ -43,7 +43,7 @@ def simulator(ctx: Context, name: str = "engine", *, token_delay: float = 0.0, t
 
 def tiny_model(max_model_len: int = 2048) -> Path:
     """The test suite's tiny random-weight model, built once under .models/."""
-    from tests.e2e.servers import ensure_tiny_model
+    from testing.servers import ensure_tiny_model
 
     return ensure_tiny_model(max_model_len)
 
@@ -59,7 +59,7 @@ def vllm(ctx: Context, name: str = "engine", *, flags: Sequence[str] = (), kv_ca
     """A real vLLM OpenAI server (the CPU build) on the tiny model, with ``flags`` (``--watermark 0.05``, a queue
     cap, ``--data-parallel-size 2``...). ``core``: its worker's threads bound to that core (vLLM's CPU build binds
     every server's worker to the same first core otherwise: two servers then fight over one core)."""
-    from tests.e2e.servers import vllm_server
+    from testing.servers import vllm_server
 
     model = model or tiny_model(max_model_len)
     spec = vllm_server(model, ctx.log_path(name), max_model_len=max_model_len, kv_cache_memory_bytes=kv_cache_bytes,

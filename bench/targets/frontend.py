@@ -17,7 +17,7 @@ GATEWAY = "gateway-vllm"  # the gateway in front of vLLM (target "gateway" measu
 
 def unavailable() -> str | None:
     """Why vLLM's CPU build cannot run here, or None."""
-    from tests.e2e.servers import vllm_unavailable_reason
+    from testing.servers import vllm_unavailable_reason
 
     return vllm_unavailable_reason()
 

@@ -33,7 +33,7 @@ import httpx
 from openai import AsyncOpenAI
 
 from bench.harness.scrape import metric_sum
-from tests.e2e.servers import SERVED_MODEL_NAME
+from testing.servers import SERVED_MODEL_NAME
 
 CLIENTS = 4
 MAX_TOKENS = 32

@@ -16,8 +16,8 @@ import aiohttp
 
 from bench.harness.plots import Timeline
 from bench.workloads.realistic import length_body
-from tests.e2e.payloads import token_ids
-from tests.e2e.servers import SERVED_MODEL_NAME
+from testing.payloads import token_ids
+from testing.servers import SERVED_MODEL_NAME
 
 
 @dataclass(frozen=True)

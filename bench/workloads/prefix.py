@@ -17,7 +17,7 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
-from tests.e2e.servers import SERVED_MODEL_NAME
+from testing.servers import SERVED_MODEL_NAME
 
 WORDS = [f"w{i}" for i in range(400)]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tests.e2e.servers import SERVED_MODEL_NAME
+from testing.servers import SERVED_MODEL_NAME
 
 GROUPS = 2  # prefix groups
 

@@ -13,7 +13,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tests.support.vllm_sim_engine import TINY_EOS_P, TINY_OTHER_STOP_P
+from testing.vllm_sim.engine import TINY_EOS_P, TINY_OTHER_STOP_P
 
 MAX_TOKENS = 1024
 MEAN_LENGTH = 200.0

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from bench.workloads.realistic import MAX_TOKENS, Outcome, Planned, length_body
-from tests.e2e.servers import SERVED_MODEL_NAME
+from testing.servers import SERVED_MODEL_NAME
 
 Send = Callable[[int, Planned, str, float], Coroutine[Any, Any, Outcome]]
 

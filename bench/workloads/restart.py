@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 from bench.harness.scrape import get_json
-from tests.e2e.servers import SERVED_MODEL_NAME
+from testing.servers import SERVED_MODEL_NAME
 
 PROMPT = "The gateway keeps the engine alive while clients keep asking questions about it. " * 4
 REQUEST_DEADLINE = 240.0

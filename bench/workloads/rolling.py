@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import httpx
 import openai
 
-from tests.e2e.servers import SERVED_MODEL_NAME
+from testing.servers import SERVED_MODEL_NAME
 
 KEY, ADMIN = "bench-key", "bench-admin"
 MAX_MODEL_LEN = 2048

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.integration.hostile.checks import closed_within, parse_raw, read_response, request_bytes
+from testing.hostile_checks import closed_within, parse_raw, read_response, request_bytes
 
 KEY = "sk-soak-client"
 BODY_LIMIT = 64 * 1024

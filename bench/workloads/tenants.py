@@ -16,8 +16,8 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.e2e.payloads import token_ids
-from tests.e2e.servers import SERVED_MODEL_NAME
+from testing.payloads import token_ids
+from testing.servers import SERVED_MODEL_NAME
 
 BLOCK_TOKENS = 128
 KV_BLOCKS = 33  # the default cache; vLLM keeps one as its null block: 32 for requests

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from tests.e2e.servers import SERVED_MODEL_NAME
-from tests.support.otlp_receiver import ReceivedSpan
+from testing.otlp_receiver import ReceivedSpan
+from testing.servers import SERVED_MODEL_NAME
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"

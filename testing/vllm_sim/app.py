@@ -7,8 +7,8 @@ Integration tests and benchmarks put it where a real vLLM would be:
 
 ``async with run_sim_server(...)`` serves on the running loop instead of a thread, and
 ``create_sim_app(config)`` gives the bare ASGI app (``app.state.sim`` is the engine) for
-``httpx.ASGITransport``. The engine is in vllm_sim_engine.py, prompt rendering in vllm_sim_text.py, and
-``SimConfig.data_parallel_size`` engines behind one server (``X-data-parallel-rank``) in vllm_sim_dp.py.
+``httpx.ASGITransport``. The engine is in engine.py, prompt rendering in text.py, and
+``SimConfig.data_parallel_size`` engines behind one server (``X-data-parallel-rank``) in dp.py.
 Texts and shapes follow vLLM's own source (entrypoints/openai, renderers/params.py, v1/metrics).
 """
 
@@ -37,12 +37,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from .vllm_sim_dp import RANK_HEADER, DataParallelSimulator, RankOutOfRange, requested_rank
-from .vllm_sim_engine import VLLM_VERSION, Fault, Sequence, SimConfig, Simulator
-from .vllm_sim_metrics import admission_rejections
-from .vllm_sim_text import ChatTemplateError, PromptCounter, chat_template_kwargs
-from .vllm_sim_types import lognormal_lengths
-from .vllm_sim_wire import (
+from .dp import RANK_HEADER, DataParallelSimulator, RankOutOfRange, requested_rank
+from .engine import VLLM_VERSION, Fault, Sequence, SimConfig, Simulator
+from .metrics import admission_rejections
+from .text import ChatTemplateError, PromptCounter, chat_template_kwargs
+from .types import lognormal_lengths
+from .wire import (
     ChatBody,
     CompletionBody,
     Plan,
@@ -607,7 +607,7 @@ class _Guard:
 def create_sim_app(config: SimConfig) -> Any:
     """The simulator's ASGI app; ``app.state.sim`` is its :class:`Simulator`, or with ``data_parallel_size`` over
     1 its :class:`DataParallelSimulator`."""
-    from .vllm_sim_routes import SimRoutes  # it builds on this module's helpers
+    from .routes import SimRoutes  # it builds on this module's helpers
 
     sim = Simulator(config) if config.data_parallel_size == 1 else DataParallelSimulator(config)
     handlers = _SimApp(sim)

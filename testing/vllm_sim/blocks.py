@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .vllm_sim_types import Sequence as Seq
+    from .types import Sequence as Seq
 
 
 def extra_keys(block_index: int, lora: tuple[str, str] | None, cache_salt: str | None) -> tuple[Any, ...] | None:

@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 from prometheus_client import generate_latest
 
-from .vllm_sim_engine import RequestLog, Simulator
-from .vllm_sim_metrics import SimMetrics
-from .vllm_sim_types import Sequence, SimConfig
+from .engine import RequestLog, Simulator
+from .metrics import SimMetrics
+from .types import Sequence, SimConfig
 
 RANK_HEADER = "X-data-parallel-rank"
 # vLLM's waiting penalty: from 0 at half the KV cache used to 3 x waiting at all of it.

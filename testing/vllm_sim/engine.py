@@ -1,8 +1,8 @@
 """The engine half of the vLLM simulator: a V1-style scheduler over paged KV blocks with prefix caching.
 
 The model it follows is vLLM 0.32's V1 scheduler and KV cache manager (``v1/core/sched/scheduler.py``,
-``v1/core/kv_cache_manager.py``). Blocks are vllm_sim_blocks.py's, metrics vllm_sim_metrics.py's, and the
-configuration and sequences vllm_sim_types.py's.
+``v1/core/kv_cache_manager.py``). Blocks are blocks.py's, metrics metrics.py's, and the
+configuration and sequences types.py's.
 - A step computes the KV of every token a sequence has (prompt + generated so far) and samples one more,
   so a scheduled sequence holds ``ceil((prompt + generated) / block_size)`` blocks. They are allocated as
   the step is scheduled, and the blocks those tokens fill are cached (findable) right then.
@@ -39,9 +39,9 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
-from .vllm_sim_blocks import KvCache
-from .vllm_sim_metrics import EngineMetrics, SimMetrics
-from .vllm_sim_types import Fault, Prompt, Sequence, SimConfig
+from .blocks import KvCache
+from .metrics import EngineMetrics, SimMetrics
+from .types import Fault, Prompt, Sequence, SimConfig
 
 VLLM_VERSION = "0.32.0"
 REQUESTS_SEEN_LIMIT = 1000
@@ -117,7 +117,7 @@ class RequestLog:
 class Simulator(RequestLog):
     """The engine: sequences, KV blocks, the scheduler loop and the counters tests assert on.
 
-    With data parallelism (vllm_sim_dp.py) it is one engine core, ``rank``, publishing its series on the
+    With data parallelism (dp.py) it is one engine core, ``rank``, publishing its series on the
     server's shared ``metrics``.
     """
 

@@ -24,11 +24,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Send
 
-from .vllm_sim import _asgi, _Rejected, _Run, _until_disconnect
-from .vllm_sim_dp import RANK_HEADER
-from .vllm_sim_engine import Sequence
-from .vllm_sim_text import ChatTemplateError
-from .vllm_sim_wire import token_text
+from .app import _asgi, _Rejected, _Run, _until_disconnect
+from .dp import RANK_HEADER
+from .engine import Sequence
+from .text import ChatTemplateError
+from .wire import token_text
 
 _CUSTOM_TOOL_PARAMETERS = {
     "type": "object",

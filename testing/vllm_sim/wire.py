@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field
 
-from .vllm_sim_engine import Sequence
+from .engine import Sequence
 
 _WORDS = ("the ", "quick ", "brown ", "fox ", "jumps ", "over ", "a ", "lazy ", "dog ", "while ", "tokens ",
           "stream ", "out ", "of ", "the ", "simulated ", "engine ", "one ", "step ", "at ", "a ", "time ")

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.servers.fake_engine import Connection, Engine
-from tests.support.vllm_sim_wire import Plan, SseWriter, full_body
+from testing.vllm_sim.wire import Plan, SseWriter, full_body
 
 IDS = re.compile(rb'"id":"[a-z]+-[0-9a-f]+","object":"([a-z._]+)","created":\d+')
 

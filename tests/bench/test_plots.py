@@ -14,7 +14,7 @@ import pytest
 from bench.harness import plots
 from bench.harness.timeline import MetricsSampler
 from bench.workloads.flood import Column, Outcome, build_workloads, flood
-from tests.support.vllm_sim import SimConfig, run_sim_server
+from testing.vllm_sim import SimConfig, run_sim_server
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 METRICS_TEXT = b"""# TYPE vllm:num_preemptions_total counter

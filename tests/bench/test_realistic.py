@@ -29,8 +29,8 @@ from bench.workloads.realistic import (
 )
 from bench.workloads.realistic_clients import run_aiohttp
 from gateway.tools.tinymodel import build_tokenizer
-from tests.support.vllm_sim import SimConfig, run_sim_server
-from tests.support.vllm_sim_engine import stop_chance
+from testing.vllm_sim import SimConfig, run_sim_server
+from testing.vllm_sim.engine import stop_chance
 
 
 def test_arrivals_are_poisson_at_the_rate_and_repeat_per_seed() -> None:

@@ -17,9 +17,9 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Settings
-from tests.support.harness import run_gateway
+from testing.gateway_thread import run_gateway
+from testing.vllm_sim import SimConfig, run_sim_server
 from tests.support.paths import ROOT
-from tests.support.vllm_sim import SimConfig, run_sim_server
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate not installed (part of the test extra)"

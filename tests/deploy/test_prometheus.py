@@ -139,7 +139,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any, tokenizer_di
     if prometheus_bin is None:
         pytest.skip("prometheus not installed: run scripts/install-prometheus.sh")
     vllm_sim = pytest.importorskip(
-        "tests.support.vllm_sim", reason="the vLLM simulator (tests/support/vllm_sim.py) is missing"
+        "testing.vllm_sim", reason="the vLLM simulator (testing/vllm_sim/) is missing"
     )
     cli = Path(sys.executable).parent / "vllm-guard"
     tmp = tmp_path_factory.mktemp("prometheus")

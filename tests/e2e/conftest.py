@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from .servers import (
+from testing.servers import (
     API_KEY,
     DEFAULT_MAX_MODEL_LEN,
     GATEWAY_MAX_MODEL_LEN,

@@ -18,7 +18,8 @@ import httpx
 import orjson
 import pytest
 
-from .servers import ServerProcess, gateway_server, metric_sum, vllm_server
+from testing.servers import ServerProcess, gateway_server, metric_sum, vllm_server
+
 from .test_hung_e2e import engine_core_pid
 
 pytestmark = pytest.mark.e2e

@@ -16,8 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import GATEWAY_START_TIMEOUT, VLLM_START_TIMEOUT, _import_failed, _log_dir, _start
-from .servers import (
+from testing.servers import (
     DEFAULT_KV_CACHE_BYTES,
     GATEWAY_READY_PATHS,
     SERVED_MODEL_NAME,
@@ -30,6 +29,8 @@ from .servers import (
     scrape_by_engine,
     vllm_server,
 )
+
+from .conftest import GATEWAY_START_TIMEOUT, VLLM_START_TIMEOUT, _import_failed, _log_dir, _start
 
 pytestmark = pytest.mark.e2e
 

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from .servers import API_KEY, SERVED_MODEL_NAME, ServerProcess
+from testing.servers import API_KEY, SERVED_MODEL_NAME, ServerProcess
 
 pytestmark = pytest.mark.e2e
 

@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from .servers import ServerProcess, gateway_server, vllm_server
+from testing.servers import ServerProcess, gateway_server, vllm_server
 
 pytestmark = pytest.mark.e2e
 

@@ -22,9 +22,7 @@ import httpx
 import pytest
 
 from gateway.managed.guardian import group_pids
-from tests.support.procs import alive as _alive
-
-from .servers import (
+from testing.servers import (
     DEFAULT_KV_CACHE_BYTES,
     VENV_BIN,
     ServerProcess,
@@ -32,6 +30,7 @@ from .servers import (
     free_port,
     vllm_unavailable_reason,
 )
+from tests.support.procs import alive as _alive
 
 pytestmark = pytest.mark.e2e
 

@@ -7,8 +7,8 @@ from typing import Any
 import openai
 import pytest
 
-from .payloads import token_ids, words
-from .servers import DEFAULT_MAX_MODEL_LEN, GATEWAY_MAX_MODEL_LEN
+from testing.payloads import token_ids, words
+from testing.servers import DEFAULT_MAX_MODEL_LEN, GATEWAY_MAX_MODEL_LEN
 
 pytestmark = pytest.mark.e2e
 

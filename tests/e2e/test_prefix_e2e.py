@@ -12,8 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import GATEWAY_START_TIMEOUT, _log_dir, _start
-from .servers import (
+from testing.servers import (
     GATEWAY_READY_PATHS,
     SERVED_MODEL_NAME,
     ServerProcess,
@@ -21,6 +20,8 @@ from .servers import (
     held_at_once,
     scrape_counter,
 )
+
+from .conftest import GATEWAY_START_TIMEOUT, _log_dir, _start
 
 pytestmark = pytest.mark.e2e
 

@@ -15,8 +15,7 @@ import httpx
 import pytest
 
 from gateway.guard.fields import ROUTES, TABLE
-
-from .servers import API_KEY, ServerProcess, vllm_unavailable_reason
+from testing.servers import API_KEY, ServerProcess, vllm_unavailable_reason
 
 pytestmark = pytest.mark.e2e
 

@@ -9,9 +9,8 @@ import httpx
 import openai
 import pytest
 
+from testing.servers import API_KEY, GATEWAY_MAX_MODEL_LEN, ServerProcess
 from tests.integration.test_responses import CASES
-
-from .servers import API_KEY, GATEWAY_MAX_MODEL_LEN, ServerProcess
 
 pytestmark = pytest.mark.e2e
 

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from .servers import API_KEY, SERVED_MODEL_NAME, ServerProcess, scrape_counter
+from testing.servers import API_KEY, SERVED_MODEL_NAME, ServerProcess, scrape_counter
 
 pytestmark = pytest.mark.e2e
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .servers import ServerProcess, ServerStartError, metric_sum
+from testing.servers import ServerProcess, ServerStartError, metric_sum
 
 # A parent that starts a grandchild and prints its pid, then both sleep: like vLLM's API server and
 # the engine process it forks.

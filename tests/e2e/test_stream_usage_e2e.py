@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .servers import API_KEY, GATEWAY_READY_PATHS, ServerProcess, gateway_server, metric_sum
+from testing.servers import API_KEY, GATEWAY_READY_PATHS, ServerProcess, gateway_server, metric_sum
 
 pytestmark = pytest.mark.e2e
 

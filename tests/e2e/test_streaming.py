@@ -7,8 +7,8 @@ from typing import Any
 import openai
 import pytest
 
-from .payloads import token_ids
-from .servers import ServerProcess, scrape_counter
+from testing.payloads import token_ids
+from testing.servers import ServerProcess, scrape_counter
 
 pytestmark = pytest.mark.e2e
 

@@ -8,8 +8,8 @@ import httpx
 import openai
 import pytest
 
-from .payloads import token_ids
-from .servers import API_KEY, DEFAULT_MAX_MODEL_LEN, GATEWAY_MAX_MODEL_LEN, ServerProcess, get_json
+from testing.payloads import token_ids
+from testing.servers import API_KEY, DEFAULT_MAX_MODEL_LEN, GATEWAY_MAX_MODEL_LEN, ServerProcess, get_json
 
 pytestmark = pytest.mark.e2e
 

@@ -14,8 +14,9 @@ import httpx
 import orjson
 import pytest
 
+from testing.servers import GATEWAY_READY_PATHS, SERVED_MODEL_NAME, ServerProcess, gateway_server, scrape_counter
+
 from .conftest import GATEWAY_START_TIMEOUT, _log_dir, _start
-from .servers import GATEWAY_READY_PATHS, SERVED_MODEL_NAME, ServerProcess, gateway_server, scrape_counter
 
 pytestmark = pytest.mark.e2e
 

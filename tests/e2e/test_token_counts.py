@@ -13,9 +13,8 @@ import openai
 import pytest
 
 from gateway.guard.counting import LocalCounter, PromptTokens, RemoteCounter, load_tokenizer
-
-from .payloads import token_ids
-from .servers import ServerProcess
+from testing.payloads import token_ids
+from testing.servers import ServerProcess
 
 pytestmark = pytest.mark.e2e
 

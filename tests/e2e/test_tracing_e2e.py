@@ -14,10 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, run_otlp_receiver
-
-from .conftest import GATEWAY_START_TIMEOUT, VLLM_START_TIMEOUT, _import_failed, _log_dir, _start
-from .servers import (
+from testing.otlp_receiver import OtlpReceiver, ReceivedSpan, run_otlp_receiver
+from testing.servers import (
     API_KEY,
     GATEWAY_READY_PATHS,
     SERVED_MODEL_NAME,
@@ -27,6 +25,8 @@ from .servers import (
     gateway_server,
     vllm_server,
 )
+
+from .conftest import GATEWAY_START_TIMEOUT, VLLM_START_TIMEOUT, _import_failed, _log_dir, _start
 
 pytestmark = pytest.mark.e2e
 

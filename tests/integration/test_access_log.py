@@ -23,8 +23,8 @@ from gateway.clip import digest
 from gateway.config import Settings
 from gateway.observe.access_log import FIELDS, LOGGER_NAME, AccessLog
 from gateway.redact import SecretRedactor, install_log_redaction
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import Fault, SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import Fault, SimConfig, SimServer, run_sim_server
 
 KEY = "sk-access-log-key-0123456789"
 WRONG_KEY = "sk-not-a-key-but-secret-anyway"

@@ -25,8 +25,8 @@ from gateway.admission import Admission
 from gateway.config import Settings
 from gateway.engine.live import EngineView
 from gateway.metrics import Metrics
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import Fault, SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import Fault, SimConfig, SimServer, run_sim_server
 
 BLOCK = 16
 TOKEN = 7  # any id: the engine and the gateway count a token-id prompt by its length

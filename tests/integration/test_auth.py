@@ -16,8 +16,8 @@ from gateway.config import Settings
 from gateway.errors import AuthenticationFailed
 from gateway.http import auth
 from gateway.http.auth import authenticate
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 CLIENT, ADMIN, WRONG = "client-key-3b8e", "admin-key-c41d", "wrong-key-77aa"
 

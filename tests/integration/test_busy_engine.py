@@ -16,9 +16,9 @@ import pytest
 
 from gateway.config import Settings
 from gateway.engine.progress import PROBE_BODY
-from tests.support.bad_upstream import BadUpstream, full, run_bad_upstream
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.bad_upstream import BadUpstream, full, run_bad_upstream
+from testing.gateway_thread import run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 COMPLETION = orjson.dumps({
     "id": "cmpl-1", "object": "text_completion", "model": "tiny",

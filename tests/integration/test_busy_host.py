@@ -22,8 +22,8 @@ import pytest
 
 from gateway.config import Settings
 from gateway.observe import cpu_pressure
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 RATE = 16  # requests a second
 BURST_SECONDS = 2.0

@@ -22,11 +22,11 @@ import httpx
 import pytest
 import uvloop
 
+from testing.gateway_thread import GatewayServer
+from testing.hostile_checks import RawResponse, close_writer, host_port, read_response, request_bytes
+from testing.vllm_sim import SimServer
 from tests.integration import test_admission_flood as flood_rig
-from tests.integration.hostile.checks import RawResponse, close_writer, host_port, read_response, request_bytes
 from tests.integration.test_admission_flood import HOLDER, QUEUE_RIG, WAITER, completion, eventually, held_reservation
-from tests.support.harness import GatewayServer
-from tests.support.vllm_sim import SimServer
 
 exits, make_sim, make_gateway = flood_rig.exits, flood_rig.make_sim, flood_rig.make_gateway
 

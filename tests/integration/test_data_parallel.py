@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 
 from gateway.config import Settings
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import DataParallelSimulator, SimConfig, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import DataParallelSimulator, SimConfig, run_sim_server
 
 BLOCK, RANK_BLOCKS = 16, 32
 PROMPT, OUTPUT = 40, 24  # 64 tokens: 4 blocks, so one rank holds 8 such requests at once

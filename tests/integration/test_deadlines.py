@@ -13,6 +13,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from testing.gateway_thread import GatewayServer
+from testing.vllm_sim import SimServer
 from tests.integration import test_admission_flood as flood_rig
 from tests.integration import test_overload as overload_rig
 from tests.integration.test_admission_flood import (
@@ -23,8 +25,6 @@ from tests.integration.test_admission_flood import (
     eventually,
     held_reservation,
 )
-from tests.support.harness import GatewayServer
-from tests.support.vllm_sim import SimServer
 
 exits, make_sim, make_gateway = flood_rig.exits, flood_rig.make_sim, flood_rig.make_gateway
 rig = overload_rig.rig

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from gateway.config import Settings
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.integration.test_admission_flood import TOKEN, metric
 from tests.integration.test_engines import pair
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
 CAP = 2
 BODY = {"model": "tiny", "prompt": [TOKEN] * 8, "max_tokens": 4, "ignore_eos": True}

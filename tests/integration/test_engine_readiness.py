@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from gateway.config import Settings
+from testing.gateway_thread import run_gateway
+from testing.vllm_sim import Fault, SimConfig, run_sim_server
 from tests.integration.test_engines import body, engines_of, get, pair, send
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import Fault, SimConfig, run_sim_server
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gateway.config import Settings
 from gateway.errors import ConfigInvalid
 from gateway.http.assembly import build_parts
-from tests.support.harness import GatewayServer, free_port, run_gateway
-from tests.support.vllm_sim import Fault, SimConfig, SimServer, run_sim_server
-from tests.support.vllm_sim_dp import DataParallelSimulator
+from testing.gateway_thread import GatewayServer, free_port, run_gateway
+from testing.vllm_sim import Fault, SimConfig, SimServer, run_sim_server
+from testing.vllm_sim.dp import DataParallelSimulator
 
 BLOCK, ENGINE_BLOCKS = 16, 32
 FLOOD = 8

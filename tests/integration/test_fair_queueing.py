@@ -22,8 +22,8 @@ from gateway.config import Settings
 from gateway.guard.context import RequestContext
 from gateway.guard.parts import Parts
 from gateway.guard.pipeline import handle
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 FLOOD, QUIET = 6, 3
 FLOOD_OUTPUT, QUIET_OUTPUT = 96, 4

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from testing.gateway_thread import GatewayServer
+from testing.vllm_sim import SimServer, lognormal_lengths
 from tests.integration import test_admission_flood as flood_rig
 from tests.integration.test_admission_flood import STRICT_BUDGET, PeakInFlight, completion, flood
-from tests.support.harness import GatewayServer
-from tests.support.vllm_sim import SimServer, lognormal_lengths
 
 exits, make_sim, make_gateway = flood_rig.exits, flood_rig.make_sim, flood_rig.make_gateway
 

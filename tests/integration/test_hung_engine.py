@@ -14,8 +14,8 @@ import orjson
 import pytest
 
 from gateway.config import Settings
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 HANG_TIMEOUT = 1.0
 LONG = {"model": "tiny", "prompt": "Tell me a long story", "max_tokens": 400}

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from gateway.config import Settings
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.integration.test_admission_flood import PeakInFlight
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
 BLOCK, BLOCKS = 128, 32  # the CPU build's block size, and the tiny model's cache on it
 PROMPT, OUTPUT, COUNT = 1000, 900, 12

@@ -1,9 +1,9 @@
-"""The gateway in managed mode, over HTTP, in front of a vLLM-like child (tests/support/fake_vllm/server.py) that
+"""The gateway in managed mode, over HTTP, in front of a vLLM-like child (testing/fake_vllm.py) that
 it starts, watches and restarts itself: 503 with Retry-After while the engine starts, /guard/status and
 POST /guard/restart, a killed engine restarted under load without failing a request, no process left
 behind when the gateway stops.
 
-The gateway runs in a thread (tests/support/harness.py). The guardian's PR_SET_PDEATHSIG follows the thread that
+The gateway runs in a thread (testing/gateway_thread.py). The guardian's PR_SET_PDEATHSIG follows the thread that
 forked it, which is the gateway's event-loop thread here: it lives until the gateway has stopped its
 engine, so the thread changes nothing (the last test checks that stopping leaves no process).
 """
@@ -25,7 +25,7 @@ import pytest
 
 from gateway.config import Settings
 from gateway.managed.guardian import group_pids
-from tests.support.harness import GatewayServer, run_gateway
+from testing.gateway_thread import GatewayServer, run_gateway
 from tests.support.paths import FAKE_VLLM
 from tests.support.procs import alive
 

@@ -1,4 +1,4 @@
-"""Managed mode with several engines, over HTTP, in front of vLLM-like children (tests/support/fake_vllm/server.py):
+"""Managed mode with several engines, over HTTP, in front of vLLM-like children (testing/fake_vllm.py):
 each engine on its own port with its own devices and supervisor, restarts that roll one engine at a time while
 the other serves (asked for, named, or on a schedule), and an engine killed under load restarted while the other
 takes its requests. No request is lost and the gateway stays ready throughout.
@@ -18,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Settings
+from testing.gateway_thread import GatewayServer, run_gateway
 from tests.integration.test_managed import AS_ADMIN, AS_CLIENT, COMPLETION, eventually, managed, status
-from tests.support.harness import GatewayServer, run_gateway
 from tests.support.procs import alive, environ
 
 

@@ -20,9 +20,9 @@ import httpx
 import pytest
 
 from gateway.config import Settings
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.integration.test_admission_flood import BLOCK, TOKEN, metric
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
 ENGINE_BLOCKS = 32  # the gateway may commit 28 (--kv-target 0.9)
 # 16 prompt + 48 to 112 output tokens = 4 to 8 blocks: 3 to 7 run at once, each for 48 to 112 engine steps of

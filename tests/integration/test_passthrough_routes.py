@@ -24,12 +24,12 @@ import orjson
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-import tests.support.vllm_sim as vllm_sim
 from gateway.config import GENERATING_ROUTES, Settings
 from gateway.errors import NotFound
 from gateway.http.routes import GATEWAY_ROUTES, GUARDED_ROUTES, PUBLIC_ROUTES, canonical_path
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.vllm_sim import app as vllm_sim
 
 # -- the recording engine ---------------------------------------------------------------------------
 

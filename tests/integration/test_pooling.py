@@ -15,8 +15,8 @@ from gateway.guard.counting import LocalCounter
 from gateway.guard.planning import batch_sequences
 from gateway.guard.policy import Limits
 from gateway.guard.pooling import PARSERS, Chats, Pairs, Texts, fit_context
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 MAX_MODEL_LEN = 256
 CHAT = [{"role": "system", "content": "Embed this."}, {"role": "user", "content": "A sentence about cats."}]

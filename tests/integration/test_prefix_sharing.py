@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from gateway.config import Settings
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 BLOCK, ENGINE_BLOCKS = 16, 32
 PREFIX = [(7 * i) % 400 + 3 for i in range(160)]  # 10 full blocks

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from gateway.config import Settings
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 MAX_MODEL_LEN = 512
 
@@ -298,7 +298,7 @@ class TestAuth:
 
 class TestUpstreamFaults:
     def test_an_unreachable_upstream_gives_503_with_retry_after(self, base_settings: Settings) -> None:
-        from tests.support.harness import free_port
+        from testing.gateway_thread import free_port
 
         with run_gateway(base_settings, upstream=f"http://127.0.0.1:{free_port()}") as gw:
             r = httpx.post(gw.url + "/v1/completions", json={"prompt": "x"})
@@ -317,7 +317,7 @@ class TestUpstreamFaults:
     def test_upstream_faults_become_openai_errors_and_leak_nothing(
         self, sim: SimServer, base_settings: Settings, fault: str, status: int, code: str | None
     ) -> None:
-        from tests.support.vllm_sim import Fault
+        from testing.vllm_sim import Fault
 
         with run_gateway(base_settings, upstream=sim.url, read_timeout=1.0) as gw:
             assert gw.parts.models.cached is not None  # the listing was read while the upstream was healthy

@@ -20,8 +20,8 @@ from gateway.guard.counting import LocalCounter, RemoteCounter
 from gateway.guard.counting.chatformat import prepare_chat
 from gateway.guard.counting.templates import RequestTemplates, TemplateLimits, TemplateSandbox
 from gateway.http.errors import status_and_type
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 TIMEOUT = 0.5
 MAX_CHARS = 100_000

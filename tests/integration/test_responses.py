@@ -17,9 +17,9 @@ from gateway.errors import InvalidRequest
 from gateway.guard.counting.chatformat import normalize_tools
 from gateway.guard.protocol import parse_responses
 from gateway.guard.responses import chat_tools, continues_final_message, input_messages
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.integration.test_proxy import wait_until
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
 MAX_MODEL_LEN = 512
 

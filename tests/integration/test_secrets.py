@@ -24,8 +24,8 @@ from pydantic import ValidationError
 from gateway.config import Settings
 from gateway.engine.client import Upstream
 from gateway.redact import SecretRedactor, install_log_redaction, redact_url, redact_urls_in
-from tests.support.harness import GatewayServer, free_port, run_gateway
-from tests.support.vllm_sim import SimConfig, run_sim_server
+from testing.gateway_thread import GatewayServer, free_port, run_gateway
+from testing.vllm_sim import SimConfig, run_sim_server
 
 USER, PASSWORD = "guard-user-7f3a", "pw/5ecret@91c2"
 PASSWORD_IN_URL = "pw%2F5ecret%4091c2"

@@ -21,8 +21,8 @@ from gateway.http.body import BodyLimits, read_body
 from gateway.http.errors import error_headers
 from gateway.http.server import GuardProtocol
 from gateway.http.serving import server_config
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 # Small bounds so that no test waits long.
 HEADER_BYTES = 4096

@@ -18,8 +18,8 @@ import pytest
 
 from gateway.admission import Reservation
 from gateway.config import Settings
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 OUTPUT = 600  # the engine stops every answer here
 KEY, ADMIN = "sk-usage-tenant-01", "sk-usage-admin-02"

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from gateway.config import Settings
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, run_sim_server
 from tests.integration import test_overload as overload_rig
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, run_sim_server
 
 DEFAULTS = Settings()
 BURST = 24  # 4 to 8 blocks each, 3 to 7 at once: about 8 s of the engine's work, arriving at once

@@ -22,9 +22,9 @@ import pytest
 
 from gateway.config import Settings
 from gateway.tenants.redis import RETRY_SECONDS
-from tests.support.harness import GatewayServer, run_gateway
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.support.redis_server import RedisServer, running_redis
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
 SEARCH, BATCH, ADMIN = "sk-search-5d1f0b", "sk-batch-c7a3e9", "admin-key-91b2"
 TOKEN, PROMPT, OUTPUT = 7, 16, 5  # a token-id prompt counts as its length; the engine stops after 5 tokens

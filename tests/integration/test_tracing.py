@@ -17,12 +17,12 @@ import orjson
 import pytest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import tests.support.vllm_sim as vllm_sim
 from gateway.config import Settings
 from gateway.observe.access_log import LOGGER_NAME
-from tests.support.harness import run_gateway
-from tests.support.otlp_receiver import OtlpReceiver, ReceivedSpan, run_otlp_receiver
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import run_gateway
+from testing.otlp_receiver import OtlpReceiver, ReceivedSpan, run_otlp_receiver
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.vllm_sim import app as vllm_sim
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"

@@ -14,9 +14,9 @@ from gateway.config import Settings
 from gateway.errors import InvalidRequest
 from gateway.http import ui
 from gateway.observe.history import History
-from tests.support.harness import GatewayServer, run_gateway
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.support.paths import ROOT
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
 ADMIN, CLIENT = "admin-key-0123", "client-key-4567"
 

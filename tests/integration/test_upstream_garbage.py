@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from gateway.config import Settings
-from tests.support.bad_upstream import (
+from testing.bad_upstream import (
     Answer,
     BadUpstream,
     chunked,
@@ -24,7 +24,7 @@ from tests.support.bad_upstream import (
     raw_request,
     run_bad_upstream,
 )
-from tests.support.harness import GatewayServer, run_gateway
+from testing.gateway_thread import GatewayServer, run_gateway
 
 COMPLETION = orjson.dumps({
     "id": "cmpl-1", "object": "text_completion", "created": 1, "model": "tiny",

@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from gateway.tools.tinymodel import build_tokenizer
-from tests.support.vllm_sim import SimConfig, Simulator, create_sim_app, lognormal_lengths
-from tests.support.vllm_sim_engine import Sequence
+from testing.vllm_sim import SimConfig, Simulator, create_sim_app, lognormal_lengths
+from testing.vllm_sim.engine import Sequence
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

@@ -13,9 +13,9 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.vllm_sim import SimConfig, Simulator, create_sim_app
-from tests.support.vllm_sim_blocks import BlockPool
-from tests.support.vllm_sim_engine import Sequence
+from testing.vllm_sim import SimConfig, Simulator, create_sim_app
+from testing.vllm_sim.blocks import BlockPool
+from testing.vllm_sim.engine import Sequence
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

@@ -24,8 +24,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Settings
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 BLOCKS = 32
 BLOCK = 16

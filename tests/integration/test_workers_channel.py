@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 
 from gateway.config import Settings
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.integration.test_workers import connection_on, exchange, worker_pid
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
 SOLO, OPEN = "sk-solo-1f2e3d", "sk-open-4c5b6a"
 KEYS = f"""\

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from gateway.config import Settings
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 CAP = 4  # two client connections for each of the two processes
 

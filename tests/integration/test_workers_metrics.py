@@ -18,9 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import Settings
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.integration.test_workers import completion, flood, worker_pid
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
 
 Sample = tuple[str, tuple[tuple[str, str], ...]]
 

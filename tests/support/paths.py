@@ -6,4 +6,4 @@ TESTS = Path(__file__).resolve().parent.parent
 ROOT = TESTS.parent
 FIXTURES = TESTS / "fixtures"
 MODEL_CONFIGS = FIXTURES / "model_configs"
-FAKE_VLLM = TESTS / "support" / "fake_vllm" / "server.py"
+FAKE_VLLM = ROOT / "testing" / "fake_vllm.py"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import free_port
+from testing.gateway_thread import free_port
 
 
 @dataclass

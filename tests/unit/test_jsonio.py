@@ -19,8 +19,8 @@ from starlette.types import Message, Receive, Scope, Send
 
 from gateway import jsonio
 from gateway.config import Settings
-from tests.support.harness import GatewayServer, free_port, run_gateway
-from tests.support.vllm_sim import SimConfig, create_sim_app
+from testing.gateway_thread import GatewayServer, free_port, run_gateway
+from testing.vllm_sim import SimConfig, create_sim_app
 
 BIG = {"above u64": 2**64 + 1, "below i64": -(2**63) - 1, "10**30": 10**30, "u64 max": 2**64 - 1, "i64 min": -(2**63)}
 

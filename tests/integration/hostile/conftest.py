@@ -11,11 +11,10 @@ from typing import Any
 import pytest
 
 from gateway.config import Settings
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
-
-from .checks import Target
-from .rogue import SILENCE_S, Rogue, run_rogue
+from testing.gateway_thread import run_gateway
+from testing.hostile_checks import Target
+from testing.rogue_engine import SILENCE_S, Rogue, run_rogue
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
 MAX_MODEL_LEN = 512
 # Small, so that cases near and past the limit stay cheap.

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import SimServer
+from testing.gateway_thread import run_gateway
+from testing.hostile_checks import Case, Target, check_answer, raw_exchange, request_bytes, statuses, table
+from testing.vllm_sim import SimServer
 
-from .checks import Case, Target, check_answer, raw_exchange, request_bytes, statuses, table
 from .conftest import ADMIN_KEY, CLIENT_KEY, NORMAL_CHAT, PRIO_KEY, UPSTREAM_KEY, hostile_settings
 
 CHAT = "/v1/chat/completions"

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from .checks import Case, Target, check_answer, dumps, statuses, table
+from testing.hostile_checks import Case, Target, check_answer, dumps, statuses, table
+
 from .conftest import BODY_LIMIT, MAX_MODEL_LEN
 
 CHAT = "/v1/chat/completions"

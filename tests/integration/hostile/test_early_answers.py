@@ -21,10 +21,19 @@ from pathlib import Path
 import pytest
 
 from gateway.http.server import LINGER
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import SimServer
+from testing.gateway_thread import run_gateway
+from testing.hostile_checks import (
+    Case,
+    Target,
+    check_answer,
+    close_writer,
+    closed_within,
+    host_port,
+    read_response,
+    statuses,
+)
+from testing.vllm_sim import SimServer
 
-from .checks import Case, Target, check_answer, close_writer, closed_within, host_port, read_response, statuses
 from .conftest import BODY_LIMIT, CLIENT_KEY, NORMAL_CHAT, UPSTREAM_KEY, hostile_settings
 
 CHAT = "/v1/chat/completions"

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from .checks import Case, Target, check_answer, dumps, error_of, statuses, table
+from testing.hostile_checks import Case, Target, check_answer, dumps, error_of, statuses, table
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"

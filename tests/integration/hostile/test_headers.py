@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from .checks import (
+from testing.hostile_checks import (
     Case,
     Target,
     check_answer,
@@ -22,6 +22,7 @@ from .checks import (
     statuses,
     table,
 )
+
 from .conftest import CLIENT_KEY, NORMAL_CHAT
 
 CHAT = "/v1/chat/completions"

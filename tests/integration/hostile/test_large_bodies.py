@@ -22,10 +22,10 @@ import httpx
 import pytest
 
 from gateway.config import Settings
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import SimServer
+from testing.gateway_thread import run_gateway
+from testing.hostile_checks import Case, Target, check_answer, statuses, table
+from testing.vllm_sim import SimServer
 
-from .checks import Case, Target, check_answer, statuses, table
 from .conftest import CLIENT_KEY, NORMAL_CHAT, UPSTREAM_KEY, hostile_settings
 
 DEFAULT_MAX_BODY = Settings.model_fields["max_body_bytes"].default

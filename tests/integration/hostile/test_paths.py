@@ -13,9 +13,20 @@ import re
 
 import pytest
 
-from .checks import Case, RawResponse, Target, check_answer, dumps, raw_exchange, request_bytes, statuses, table
+from testing.hostile_checks import (
+    Case,
+    RawResponse,
+    Target,
+    check_answer,
+    dumps,
+    raw_exchange,
+    request_bytes,
+    statuses,
+    table,
+)
+from testing.rogue_engine import Rogue
+
 from .conftest import UPSTREAM_KEY
-from .rogue import Rogue
 
 CHAT_BODY = dumps({"model": "tiny", "messages": [{"role": "user", "content": "rogue:ok"}], "max_tokens": 2})
 RESPONSES_BODY = dumps({"model": "tiny", "input": "rogue:ok", "max_output_tokens": 2})

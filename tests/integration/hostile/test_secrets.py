@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import free_port, run_gateway
+from testing.gateway_thread import free_port, run_gateway
+from testing.hostile_checks import Target
+from testing.rogue_engine import Rogue
 
-from .checks import Target
 from .conftest import ROGUE_OK_CHAT, UPSTREAM_KEY, hostile_settings
-from .rogue import Rogue
 
 USER, PASSWORD = "guard-user", "hunter2-url-secret"
 BASIC = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()

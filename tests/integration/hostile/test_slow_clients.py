@@ -13,10 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import SimServer
-
-from .checks import (
+from testing.gateway_thread import run_gateway
+from testing.hostile_checks import (
     Case,
     Target,
     check_answer,
@@ -29,6 +27,8 @@ from .checks import (
     request_bytes,
     statuses,
 )
+from testing.vllm_sim import SimServer
+
 from .conftest import BODY_LIMIT, NORMAL_CHAT, UPSTREAM_KEY, hostile_settings
 
 CHAT = "/v1/chat/completions"

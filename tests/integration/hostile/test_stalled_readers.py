@@ -19,10 +19,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.harness import GatewayServer, run_gateway
-from tests.support.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.gateway_thread import GatewayServer, run_gateway
+from testing.hostile_checks import event_data, host_port, request_bytes, sse_events
+from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
-from .checks import event_data, host_port, request_bytes, sse_events
 from .conftest import hostile_settings
 
 CHAT = "/v1/chat/completions"

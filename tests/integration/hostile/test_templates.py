@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import SimServer
+from testing.gateway_thread import run_gateway
+from testing.hostile_checks import Case, Target, check_answer, dumps, statuses, table
+from testing.vllm_sim import SimServer
 
-from .checks import Case, Target, check_answer, dumps, statuses, table
 from .conftest import NORMAL_CHAT, UPSTREAM_KEY, hostile_settings
 
 CHAT = "/v1/chat/completions"

@@ -14,11 +14,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support.bad_upstream import BadUpstream, chunked, full, run_bad_upstream
-from tests.support.harness import run_gateway
-from tests.support.vllm_sim import SimServer
+from testing.bad_upstream import BadUpstream, chunked, full, run_bad_upstream
+from testing.gateway_thread import run_gateway
+from testing.hostile_checks import Case, Target, check_answer, dumps, statuses, table
+from testing.vllm_sim import SimServer
 
-from .checks import Case, Target, check_answer, dumps, statuses, table
 from .conftest import BODY_LIMIT, MAX_MODEL_LEN, UPSTREAM_KEY, hostile_settings
 
 # Far more tokens than the context holds, well within the body limit.

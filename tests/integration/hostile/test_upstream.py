@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from .checks import (
+from testing.hostile_checks import (
     Case,
     RawResponse,
     Target,
@@ -26,8 +26,9 @@ from .checks import (
     sse_events,
     statuses,
 )
+from testing.rogue_engine import ENDLESS, ENDLESS_BYTES, Rogue
+
 from .conftest import UPSTREAM_KEY
-from .rogue import ENDLESS, ENDLESS_BYTES, Rogue
 
 UNAVAILABLE = statuses(502, 503)
 # /detokenize stands for the pass-through routes (/tokenize is answered by the gateway when it has the tokenizer).

@@ -23,9 +23,9 @@ from gateway.http.relay import StreamAnswer
 from gateway.http.stream_out import HeldBytes
 from gateway.metrics import Metrics
 from gateway.observe.tracing import OFF
-from tests.support.bad_upstream import BadUpstream, RawReply, chunked, is_one_whole_event, raw_request, run_bad_upstream
+from testing.bad_upstream import BadUpstream, RawReply, chunked, is_one_whole_event, raw_request, run_bad_upstream
+from testing.gateway_thread import GatewayServer, run_gateway
 from tests.support.fake_stream import FakeReservation, FakeStream, FakeUpstream
-from tests.support.harness import GatewayServer, run_gateway
 
 # A chat stream as vLLM writes it: multi-byte UTF-8 inside, one event per token, then [DONE].
 EVENTS = [

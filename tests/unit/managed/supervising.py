@@ -1,4 +1,4 @@
-"""What the supervisor's tests share: a vLLM-like child (tests/support/fake_vllm/server.py) to run, fakes of the
+"""What the supervisor's tests share: a vLLM-like child (testing/fake_vllm.py) to run, fakes of the
 parts the supervisor talks to, and ways to read what the child was started with."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.managed.niceness import ENGINE_CORE_NAME, renice_engine_cores
-from tests.support.fake_vllm.server import ENGINE_CORE
+from testing.fake_vllm import ENGINE_CORE
 
 OTHER = (
     "import threading, time; threading.Thread(target=time.sleep, args=(3600,), daemon=True).start(); "

@@ -1,4 +1,4 @@
-"""The supervisor runs a vLLM-like child (tests/support/fake_vllm/server.py): it starts it, restarts it on crash,
+"""The supervisor runs a vLLM-like child (testing/fake_vllm.py): it starts it, restarts it on crash,
 hang and out-of-memory, drains around restarts, and gives up within bounds."""
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.engine.vllm_api.metrics import parse_metrics
-from tests.support.vllm_sim import DataParallelSimulator, SimConfig, Simulator, create_sim_app
-from tests.support.vllm_sim_dp import RankOutOfRange, load_score, requested_rank
-from tests.support.vllm_sim_engine import Sequence
+from testing.vllm_sim import DataParallelSimulator, SimConfig, Simulator, create_sim_app
+from testing.vllm_sim.dp import RankOutOfRange, load_score, requested_rank
+from testing.vllm_sim.engine import Sequence
 
 BLOCK = 4
 COMPLETIONS = "/v1/completions"
