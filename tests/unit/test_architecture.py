@@ -31,6 +31,13 @@ ALLOWED: dict[str, set[str]] = {
         "base", "engine", "admission", "managed", "observe", "tenants", "guard", "workers", "http", "tools", "cli",
     },
 }
+# Between the top-level packages: the gateway stands alone; what the tests and the benchmarks share lives in
+# testing/ (which may import the gateway); the benchmarks never reach into the tests.
+NEVER_IMPORTS: dict[str, set[str]] = {
+    "gateway": {"testing", "bench", "tests"},
+    "testing": {"bench", "tests"},
+    "bench": {"tests"},
+}
 WEB_FRAMEWORKS = ("starlette", "fastapi", "uvicorn")
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
@@ -116,3 +123,14 @@ def test_no_function_is_longer_than_sixty_lines() -> None:
 def test_the_layer_table_names_every_package() -> None:
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert packages <= set(ALLOWED), f"packages without a layer: {sorted(packages - set(ALLOWED))}"
+
+
+@pytest.mark.parametrize("package", sorted(NEVER_IMPORTS))
+def test_each_top_level_package_imports_only_what_it_may(package: str) -> None:
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for line, name in imported(path)
+        if name.split(".")[0] in NEVER_IMPORTS[package]
+    ]
+    assert wrong == []
