@@ -39,6 +39,7 @@ from typing import Any
 from gateway.admission.reservation import Reservation
 from gateway.errors import GatewayError
 from gateway.guard.parts import Parts
+from gateway.periodic import Periodic
 from gateway.tenants import Grant
 from gateway.workers.channel import Channel
 from gateway.workers.messages import (
@@ -68,6 +69,8 @@ from gateway.workers.mirror import state_of
 log = logging.getLogger(__name__)
 
 STATE_EVERY = 0.05  # seconds between checks of the state the workers mirror (sent only when it changed)
+_ALIVE_TICKS = round(ALIVE_EVERY / STATE_EVERY)
+_SNAPSHOT_TICKS = round(SNAPSHOT_EVERY / STATE_EVERY)
 
 
 class _Attempt:
@@ -276,7 +279,12 @@ class Authority:
         self.path = path
         self.links: set[WorkerLink] = set()
         self._server: asyncio.AbstractServer | None = None
-        self._pushing: asyncio.Task[None] | None = None
+        # It must never die: the workers would take its silence for a freeze.
+        self._pushing = Periodic(
+            self._tell_workers, STATE_EVERY, name="workers-state",
+            failed="telling the workers this authority lives failed", logger=log,
+        )
+        self._ticks = itertools.count()
         self._state: State | None = None
         self.counts = WorkerCounts()  # each worker's newest metrics, and the dead workers' counters
 
@@ -285,7 +293,7 @@ class Authority:
             engine.fingerprint.on_learn = self.push_now  # a worker's first streams need not wait for it
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._connect, str(self.path))
-        self._pushing = loop.create_task(self._push_state(), name="workers-state")
+        self._pushing.start()
 
     def _connect(self) -> Channel:
         link = WorkerLink(self.parts, self)
@@ -294,19 +302,14 @@ class Authority:
             link.channel.send(self._state)
         return link.channel
 
-    async def _push_state(self) -> None:
-        snapshot, alive = round(SNAPSHOT_EVERY / STATE_EVERY), round(ALIVE_EVERY / STATE_EVERY)
-        for tick in itertools.count():
-            self.push_now()
-            try:
-                for link in list(self.links):
-                    if tick % alive == 0:  # its absence tells a worker that this loop is frozen
-                        link.channel.send(Alive())
-                    if tick % snapshot == 0:  # each worker's counts, kept should it die between two scrapes
-                        link.channel.send(MetricsAsk(0))
-            except Exception:  # this task must never die: the workers would take its silence for a freeze
-                log.exception("telling the workers this authority lives failed")
-            await asyncio.sleep(STATE_EVERY)
+    def _tell_workers(self) -> None:
+        tick = next(self._ticks)
+        self.push_now()
+        for link in list(self.links):
+            if tick % _ALIVE_TICKS == 0:  # its absence tells a worker that this loop is frozen
+                link.channel.send(Alive())
+            if tick % _SNAPSHOT_TICKS == 0:  # each worker's counts, kept should it die between two scrapes
+                link.channel.send(MetricsAsk(0))
 
     def push_now(self) -> None:
         """Tell every worker the engines' state if it changed."""
@@ -330,10 +333,7 @@ class Authority:
         return self.counts.families()
 
     async def close(self) -> None:
-        if self._pushing is not None:
-            self._pushing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._pushing
+        await self._pushing.stop()
         if self._server is not None:
             self._server.close()
         for link in list(self.links):

@@ -15,11 +15,11 @@ must not take its own delay for the authority's silence.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
 from gateway.errors import UpstreamUnavailable
+from gateway.periodic import Periodic
 from gateway.workers.messages import ALIVE_EVERY
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,10 @@ class Liveness:
         self._on_silent = on_silent
         self.silent_since: float | None = None  # when the silence began (the last word heard), while silent
         self._ticked: float | None = None
+        self._timer = Periodic(
+            self.tick, WATCH_EVERY, name="worker-authority-liveness",
+            failed="judging whether the admission authority still answers failed", logger=log,
+        )
 
     @property
     def silent(self) -> bool:
@@ -66,10 +70,12 @@ class Liveness:
             if self._on_silent is not None:
                 self._on_silent()
 
-    async def run(self) -> None:
-        while True:
-            self.tick()
-            await asyncio.sleep(WATCH_EVERY)
+    def start(self) -> None:
+        """Judge every ``WATCH_EVERY`` seconds, from now until ``stop``."""
+        self._timer.start()
+
+    async def stop(self) -> None:
+        await self._timer.stop()
 
     def silence(self) -> float:
         """Seconds since the authority was last heard from."""
