@@ -7,9 +7,11 @@ environment itself.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any, Literal, Self
 
-from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from gateway.config_admission import AdmissionFields
@@ -38,6 +40,7 @@ class Settings(BaseSettings, AdmissionFields, HttpFields, ManagedFields, Observe
         env_prefix=ENV_PREFIX, extra="forbid", validate_default=True, frozen=True, populate_by_name=True,
         hide_input_in_errors=True,  # a validation error must not print the keys and URLs it was given
     )
+    _key_priorities: Mapping[str, int] = PrivateAttr(default_factory=dict)
 
     # -- where things are -------------------------------------------------------------------------
     upstream: list[str] = Field(
@@ -158,8 +161,6 @@ class Settings(BaseSettings, AdmissionFields, HttpFields, ManagedFields, Observe
                 f"--max-prompt-tokens ({self.max_prompt_tokens}) must be below --max-model-len "
                 f"({self.max_model_len}) to leave room for output"
             )
-        for key in self.api_key:
-            _split_key(key)
         if self.managed and len(self.upstream) > 1:
             raise ValueError("--managed runs its own engines (--managed-engines): give no second --upstream")
         groups = self.device_groups()
@@ -173,7 +174,17 @@ class Settings(BaseSettings, AdmissionFields, HttpFields, ManagedFields, Observe
         if self.upstream_api_key and not self.managed and any(url_has_credentials(u) for u in self.upstream):
             # Both would be the one Authorization header (Basic from the URL, Bearer from the key).
             raise ValueError("--upstream carries credentials and --upstream-api-key is set: give only one")
+        self._derive()
         return self
+
+    def _derive(self) -> None:
+        # What the request path reads of the settings on every request, worked out once.
+        self._key_priorities = MappingProxyType(dict(_split_key(k) for k in self.api_key))
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        copy = super().model_copy(update=update, deep=deep)
+        copy._derive()  # a copy is not validated: what derives from its fields is derived again
+        return copy
 
     @classmethod
     def settings_customise_sources(
@@ -208,9 +219,9 @@ class Settings(BaseSettings, AdmissionFields, HttpFields, ManagedFields, Observe
         """How many engines managed mode runs."""
         return self.managed_engines or max(1, len(self.device_groups()))
 
-    def key_priorities(self) -> dict[str, int]:
+    def key_priorities(self) -> Mapping[str, int]:
         """Client API keys mapped to their default priority (0 when none is given)."""
-        return dict(_split_key(k) for k in self.api_key)
+        return self._key_priorities
 
 
 def _split_key(spec: str) -> tuple[str, int]:

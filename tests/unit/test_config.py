@@ -67,6 +67,16 @@ def test_api_keys_may_carry_a_default_priority(keys: list[str], expected: dict[s
     assert build_settings({"api_key": keys}).key_priorities() == expected
 
 
+def test_the_keys_priorities_are_worked_out_once_and_again_for_a_copy_with_other_keys() -> None:
+    settings = build_settings({"api_key": ["a=3"]})
+    assert settings.key_priorities() is settings.key_priorities()
+    with pytest.raises(TypeError):
+        settings.key_priorities()["b"] = 1  # type: ignore[index]
+    assert settings.model_copy(update={"api_key": ["b=2"]}).key_priorities() == {"b": 2}
+    assert settings.model_copy().key_priorities() == {"a": 3}
+    assert Settings.model_validate_json(settings.model_dump_json()).key_priorities() == {"a": 3}
+
+
 @pytest.mark.parametrize(
     ("name", "text"),
     [
