@@ -133,7 +133,7 @@ class DataParallelSimulator(RequestLog):
         prompt: int | list[int],
         n: int,
         max_tokens: int,
-        target: int,
+        target: int | list[int],
         on_token: Callable[[Sequence], None],
         *,
         first_index: int = 0,
@@ -142,12 +142,14 @@ class DataParallelSimulator(RequestLog):
         rank: int | None = None,
     ) -> list[Sequence]:
         """``Simulator.submit`` for the server: each of the ``n`` choices on ``rank``, or where the balancer puts
-        it. A prompt given as a number of tokens is made up anew for each choice."""
+        it, with its own ``target`` when one is given per choice. A prompt given as a number of tokens is made up
+        anew for each choice."""
         seqs: list[Sequence] = []
         for i in range(n):
             engine = self.ranks[self.balance() if rank is None else rank]
-            seqs += engine.submit(prompt, 1, max_tokens, target, on_token, first_index=first_index + i, lora=lora,
-                                  cache_salt=cache_salt)
+            choice_target = target[i] if isinstance(target, list) else target
+            seqs += engine.submit(prompt, 1, max_tokens, choice_target, on_token, first_index=first_index + i,
+                                  lora=lora, cache_salt=cache_salt)
         return seqs
 
     def abort(self, seqs: list[Sequence]) -> None:

@@ -126,6 +126,12 @@ def test_the_choices_of_one_request_are_placed_one_by_one(rank: int | None, rank
     assert [seq.rank for seq in submit(dp, 6, rank=rank, n=2)] == ranks
 
 
+def test_each_choice_is_one_sequence_with_its_own_target() -> None:
+    dp = cluster()
+    seqs = dp.submit(list(range(1, 7)), 2, 4, [3, 2], lambda seq: None)
+    assert [(seq.index, seq.target) for seq in seqs] == [(0, 3), (1, 2)]
+
+
 def test_an_aborted_request_leaves_every_engine_it_ran_on() -> None:
     dp = cluster()
     seqs = submit(dp, 6, n=2)
