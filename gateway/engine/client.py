@@ -26,25 +26,11 @@ from gateway.engine.pool import Pool
 from gateway.engine.vllm_api import upstream_error_from
 from gateway.engine.wire import UNREACHABLE_RETRY_AFTER, BufferSink, Exchange, Sink
 from gateway.errors import BadUpstreamResponse, UpstreamLost, UpstreamTimeout, UpstreamUnavailable
+from gateway.headers import HOP_HEADERS, HOP_ONLY, RESPONSE_DROP
 from gateway.redact import redact_url, redact_urls_in
 
 log = logging.getLogger(__name__)
 
-# Headers that describe one hop, never forwarded (RFC 9110 7.6.1), plus those we set ourselves, plus the
-# client's credentials: its key is the gateway's (the upstream gets --upstream-api-key instead), and its
-# cookies are no business of the upstream's.
-HOP_HEADERS = frozenset(
-    {
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-        "transfer-encoding", "upgrade", "host", "content-length", "authorization", "accept-encoding",
-        "x-api-key", "cookie", "cookie2",
-    }
-)
-HOP_ONLY = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding",
-    "upgrade", "host", "content-length", "accept-encoding",
-})
-RESPONSE_DROP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"})
 KEEPALIVE_SECONDS = 4.0  # idle pooled connections to the engine are closed after this (see start())
 # The gateway asks for identity; an upstream that compresses anyway is decoded up to this size per body.
 DECODED_BODY_LIMIT = 256 * 1024 * 1024

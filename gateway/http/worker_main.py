@@ -25,6 +25,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.config import Settings
 from gateway.engine.client import Upstream
 from gateway.errors import GatewayError, PayloadTooLarge, UpstreamTimeout, UpstreamUnavailable
+from gateway.headers import HOP_BY_HOP
 from gateway.http.app import GuardedFastPath
 from gateway.http.errors import error_response
 from gateway.http.routes import RouteTable
@@ -38,11 +39,8 @@ from gateway.workers.remote import AuthorityClient
 
 log = logging.getLogger(__name__)
 
-# Hop-by-hop headers (RFC 9110 7.6.1): never forwarded either way. Credentials are: the authority checks them.
-_HOP = frozenset({
-    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te", b"trailer",
-    b"transfer-encoding", b"upgrade", b"host", b"content-length",
-})
+# One hop's headers, as ASGI's bytes: never forwarded either way. Credentials are: the authority checks them.
+_HOP = frozenset(name.encode() for name in HOP_BY_HOP)
 # Seconds the authority is given to answer a worker's /health: past them the worker answers 503 itself (a probe
 # must learn that this process cannot admit, not wait with it).
 HEALTH_WITHIN = 2.0
