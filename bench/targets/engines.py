@@ -86,7 +86,7 @@ def renice_engine_core(engine: Target, niceness: int) -> int:
     """Every thread of vLLM's engine core process (``VLLM::EngineCore``) at ``niceness`` (Linux keeps a niceness
     per thread; threads it starts later inherit it); how many were set. Its busy loop waits for its worker by
     spinning on ``sched_yield``, which on a shared core takes the turns of the API server, the client and a
-    gateway (docs/realistic.md, "Where a first token's time goes at capacity")."""
+    gateway (docs/history/realistic-engine-core-niceness.md, "Where a first token's time goes at capacity")."""
     import psutil
 
     count = 0
