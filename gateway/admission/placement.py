@@ -20,7 +20,7 @@ from typing import Any
 from gateway.admission.headroom import Headroom
 from gateway.admission.kv_view import KvView, SnapshotSource
 from gateway.admission.ledger import Capacity
-from gateway.admission.reservation import Reservation, Target
+from gateway.admission.reservation import Destination, Reservation
 from gateway.admission.site import RankView, Site, SiteHeadroom
 from gateway.config import Settings
 from gateway.engine.live import EngineSnapshot, EngineView
@@ -135,7 +135,7 @@ class Sites:
     def _site(self, engine: int, rank: int | None) -> Site:
         view = self._views[engine]
         source: SnapshotSource | None = view if rank is None or view is None else RankView(view, str(rank))
-        return Site(Target(site_name(engine, rank), engine, rank), source, self._settings, self._headroom)
+        return Site(Destination(site_name(engine, rank), engine, rank), source, self._settings, self._headroom)
 
     # -- status ---------------------------------------------------------------------------------------
     def rows(self, mode: str, sharing: bool) -> list[dict[str, Any]]:

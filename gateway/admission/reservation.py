@@ -41,7 +41,7 @@ _WAITING = (Phase.NEW, Phase.QUEUED)  # not admitted yet: may still be turned aw
 
 
 @dataclass(frozen=True, slots=True)
-class Target:
+class Destination:
     """Where an admitted request goes: the gateway's engine ``engine`` (its index), and on a data-parallel one the
     rank sent as ``X-data-parallel-rank``; ``name`` is how responses, status and metrics call it."""
 
@@ -83,7 +83,7 @@ class Reservation:
         self.due: float | None = None  # when an objective wanted it admitted by, where one judged it as it arrived
         self._admitted_at: float | None = None
         self.avoid = avoid  # engines not to place it on (one failed under it already)
-        self.target: Target | None = None  # where it was placed, once admitted
+        self.target: Destination | None = None  # where it was placed, once admitted
         self._clock = clock
         self._checkpoint_spacing = checkpoint_spacing
         self.request_id = request_id

@@ -25,7 +25,7 @@ from gateway.admission.ledger import Capacity
 from gateway.admission.policy import Policy
 from gateway.admission.prefix import BlockKey, leading_run
 from gateway.admission.projection import Projector
-from gateway.admission.reservation import Reservation, Target
+from gateway.admission.reservation import Destination, Reservation
 from gateway.config import Settings
 from gateway.engine.live import EngineSnapshot, EngineView
 from gateway.engine.queue_cap import QueueCap
@@ -109,7 +109,7 @@ class Site:
     """One engine's books and what admission learned of it."""
 
     def __init__(
-        self, target: Target, view: SnapshotSource | None, settings: Settings, headroom: Any
+        self, target: Destination, view: SnapshotSource | None, settings: Settings, headroom: Any
     ) -> None:
         self.target = target
         # vLLM's own queue cap refused a request here lately: full until it has room (engine/queue_cap.py)

@@ -48,8 +48,22 @@ class Parts:
     def __post_init__(self) -> None:
         self.access_log = AccessLog(self.settings.access_log)
 
+    def local_admission(self) -> Admission:
+        """The KV books themselves, for what only the process that keeps them reads (its status and gauges, the
+        authority's side of ``--workers``): a worker's ``admission`` is the authority's, asked over its channel."""
+        if not isinstance(self.admission, Admission):
+            raise TypeError(f"this process keeps no KV books: its admission is a {type(self.admission).__name__}")
+        return self.admission
+
+    def local_tenants(self) -> Tenants | None:
+        """The tenants' windows themselves (None without tenants), for what only the process that keeps them reads:
+        a worker's ``tenants`` charge the authority's."""
+        if self.tenants is not None and not isinstance(self.tenants, Tenants):
+            raise TypeError(f"this process keeps no tenants' windows: its tenants are a {type(self.tenants).__name__}")
+        return self.tenants
+
     def engine_at(self, index: int) -> Engine[Models]:
-        """The engine a reservation was placed on (``Target.engine``)."""
+        """The engine a reservation was placed on (``Destination.engine``)."""
         return self.engines[index] if self.engines else self.engine
 
     def every_engine(self) -> list[Engine[Models]]:

@@ -16,7 +16,7 @@ from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Protocol
 
 from gateway.admission.prefix import PromptPrefix
-from gateway.admission.reservation import Target
+from gateway.admission.reservation import Destination
 from gateway.errors import GatewayError
 from gateway.observe.access_log import AccessRecord
 from gateway.tenants.keys import KeyDirectory, Tenant
@@ -27,7 +27,7 @@ class Held(Protocol):
     """One request's reservation, as the request path holds it from its admission to its end."""
 
     @property
-    def target(self) -> Target | None:
+    def target(self) -> Destination | None:
         """Where it was placed once admitted (the engine, and its rank on a data-parallel one); None before."""
 
     @property

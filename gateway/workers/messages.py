@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 from gateway import errors
 from gateway.admission.ledger import Capacity
 from gateway.admission.prefix import PromptPrefix
-from gateway.admission.reservation import Target
+from gateway.admission.reservation import Destination
 from gateway.engine.vllm_api import ServedModel
 from gateway.errors import GatewayError
 from gateway.observe.access_log import FIELDS, AccessRecord
@@ -170,7 +170,7 @@ class Admitted:
     key: int
     waited_ms: float
     headers: dict[str, str]
-    target: Target | None
+    target: Destination | None
 
 
 @dataclass(frozen=True, slots=True)

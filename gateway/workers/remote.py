@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from gateway.admission.ledger import fit_output
-from gateway.admission.reservation import Target
+from gateway.admission.reservation import Destination
 from gateway.config import Settings
 from gateway.errors import UpstreamUnavailable
 from gateway.guard.parts import Parts
@@ -234,7 +234,7 @@ class RemoteReservation:
         self.key = 0  # the request's, set by its grant before the admission
         self.request_id = booking.request_id
         self.min_output = booking.min_output
-        self.target: Target | None = None
+        self.target: Destination | None = None
         self.generated = 0
         self.queue_ms = 0.0
         self._released = True  # until admitted

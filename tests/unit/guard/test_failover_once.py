@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.admission.reservation import Target
+from gateway.admission.reservation import Destination
 from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.errors import UpstreamLost
@@ -53,7 +53,7 @@ class Booked:
 
     def __init__(self, avoid: frozenset[str]) -> None:
         index = 0 if "e0" not in avoid else 1
-        self.target = Target(f"e{index}", index)
+        self.target = Destination(f"e{index}", index)
 
     async def __aenter__(self) -> Booked:
         return self

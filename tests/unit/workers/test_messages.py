@@ -10,7 +10,7 @@ import pytest
 from gateway import errors
 from gateway.admission.ledger import Capacity
 from gateway.admission.prefix import PromptPrefix
-from gateway.admission.reservation import Target
+from gateway.admission.reservation import Destination
 from gateway.engine.vllm_api import ServedModel
 from gateway.observe.access_log import AccessRecord
 from gateway.workers.codec import Malformed
@@ -60,7 +60,7 @@ EVERY_KIND: list[Message] = [
     Progress({1: 40, 2: 7}, {0: (1, -2, 3)}, {0: "fp", 1: None}), Release(4, True, 30), End(5, 12.5),
     Rejected("search", "queue_full"), Serving(), Access(RECORD),
     MetricsReply(6, (["vllm_guard_requests", "counter", "doc", "", [["x_total", {"route": "chat"}, 3.0]]],)),
-    Admitted(7, 0.5, {"x-ratelimit-remaining-requests": "3"}, Target("e0", 0, None)), Admitted(8, 0.0, {}, None),
+    Admitted(7, 0.5, {"x-ratelimit-remaining-requests": "3"}, Destination("e0", 0, None)), Admitted(8, 0.0, {}, None),
     Refused(9, error_data(errors.QueueFull("The queue is full.", retry_after=3.0)), {}), Refused(10, None, {}),
     STATE, MetricsAsk(11), Alive(),
 ]
