@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from gateway.managed.lifecycle import EngineLifecycle
 from gateway.managed.tasks import OwnedTasks
+from gateway.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,10 @@ class RollingRestarts:
         self._clock = clock
         self._sleep = sleep
         self._tasks = OwnedTasks()
+        self._schedule = None if every is None else Periodic(
+            self._scheduled_turn, every, name="rolling-restarts", immediately=False,
+            failed="a scheduled rolling restart failed", logger=log, sleep=sleep,
+        )
         self._turn: asyncio.Task[None] | None = None
         self._turn_names: list[str] = []
         self._next_at: float | None = None
@@ -63,8 +68,9 @@ class RollingRestarts:
 
     def start(self) -> None:
         """Begin the schedule (``--restart-every``); nothing without one."""
-        if self._every is not None:
-            self._tasks.spawn(self._schedule(self._every))
+        if self._schedule is not None and not self._schedule.running:
+            self._next_at = self._clock() + self._schedule.interval()
+            self._schedule.start()
 
     def request(self, names: Sequence[str] | None = None, reason: str = "manual") -> tuple[list[str], bool]:
         """Restart the named engines (all when None) one at a time, in the background. Returns the engines of
@@ -82,6 +88,8 @@ class RollingRestarts:
             await asyncio.shield(self._turn)
 
     async def close(self) -> None:
+        if self._schedule is not None:
+            await self._schedule.stop()
         await self._tasks.close()
 
     def status(self) -> dict[str, Any]:
@@ -93,16 +101,15 @@ class RollingRestarts:
         }
 
     # -- the turns ------------------------------------------------------------------------------
-    async def _schedule(self, every: float) -> None:
-        while True:
-            self._next_at = self._clock() + every
-            await self._sleep(every)
-            self._next_at = None
-            if self._turn is not None and not self._turn.done():
-                await asyncio.shield(self._turn)  # an operator's turn is this period's
-                continue
+    async def _scheduled_turn(self) -> None:
+        self._next_at = None
+        if self._turn is not None and not self._turn.done():
+            await asyncio.shield(self._turn)  # an operator's turn is this period's
+        else:
             self.request(None, "scheduled")
             await self.wait()
+        if self._every is not None:
+            self._next_at = self._clock() + self._every  # the next period begins as this turn ends
 
     async def _roll(self, engines: list[Restartable], reason: str) -> None:
         started = self._clock()
