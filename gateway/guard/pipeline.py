@@ -73,9 +73,13 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
         sent, ask = exchange.engine_body(ctx.route, req.body, booking.stream)
         body = await offload.dumps(sent)
         try:
-            async for piece in admit_and_exchange(parts, ctx, body, booking, grant, ask):
-                answered = True
-                yield piece
+            # Closed here, not left to the loop's finalizer hook: an async generator dropped unclosed has its
+            # close scheduled as a task of its own (a thread-safe wake-up of the loop, a task, a loop turn per
+            # request), and its reservation would be freed only then.
+            async with contextlib.aclosing(admit_and_exchange(parts, ctx, body, booking, grant, ask)) as pieces:
+                async for piece in pieces:
+                    answered = True
+                    yield piece
         finally:
             grant.settle(ctx.outcome.queue_ms)  # the tenant is charged what the request really used
     except GatewayError as exc:
@@ -159,11 +163,12 @@ async def admit_and_exchange(
                 ctx.outcome.queue_ms += waited_ms
                 ctx.trace.admitted(waited_ms)
                 with ctx.trace.stage("exchange", engine_attributes(reservation)):
-                    async for piece in exchange_with_engine(
+                    async with contextlib.aclosing(exchange_with_engine(
                         parts, ctx, body, booking, reservation, ask, resend=attempt == 1
-                    ):
-                        answered = True
-                        yield piece
+                    )) as pieces:
+                        async for piece in pieces:
+                            answered = True
+                            yield piece
                 return
         except GatewayError as exc:
             ctx.outcome.ratelimit = grant.headers or ctx.outcome.ratelimit  # a refusal's, told by the authority
