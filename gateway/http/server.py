@@ -298,8 +298,8 @@ class GuardProtocol(HttpToolsProtocol):
                 f"the limit is {limits.body.max_bytes} bytes."
             ))
         super().on_headers_complete()
-        # The request's connection, for a stream that writes its events straight to the transport.
-        self.scope["extensions"] = {CONNECTION: (self, self.cycle)}  # type: ignore[dict-item]
+        self.transport.hold_head()  # type: ignore[attr-defined]  # (LingeringTransport) head and body in one write
+        self.scope["extensions"] = {CONNECTION: (self, self.cycle)}  # type: ignore[dict-item]  # streams write to it
         # Until the body is whole (data_received sees it), the body's limits hold.
         now = self.loop.time()
         self._body_start = now
