@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from gateway.admission.controller import Admission
 from gateway.config import PromptOverflowPolicy, Settings
 from gateway.engine.vllm_api import reading
 from gateway.errors import KVBudgetExceeded, MaxTokensExceeded
@@ -25,6 +24,7 @@ from gateway.guard.pooling import PoolingRequest
 from gateway.guard.prefixes import prompt_prefix
 from gateway.guard.prompts import Prompt
 from gateway.guard.protocol import GuardedRequest, set_max_tokens, set_prompts
+from gateway.guard.seams import Admitting
 
 
 # -- generating routes ----------------------------------------------------------------------------
@@ -187,7 +187,7 @@ async def plan_pooling(
     return Booking(longest, 0, batch_sequences(parts.admission, longest, len(counts)), learns_output=False)
 
 
-def batch_sequences(admission: Admission, prompt_tokens: int, n: int) -> int:
+def batch_sequences(admission: Admitting, prompt_tokens: int, n: int) -> int:
     """How many prompts of a pooling batch to book, each for the longest one: all ``n``, or, for a batch
     larger than the whole KV budget, as many as the budget holds. The engine runs a batch's prompts as
     separate requests and only as many at once as its cache holds, so such a batch runs alone, in waves,

@@ -101,7 +101,7 @@ def publish_pool_metrics(parts: Parts) -> None:
     request queued here waits as surely as one queued in vLLM), KV usage the larger of the engine's live usage
     and the gateway's reservations (blocks booked are promised even before the engine fills them). Several
     engines behind one guard are one model server to the picker: their figures together."""
-    admission = parts.admission
+    admission = parts.local_admission()
     engines = parts.every_engine()
     snaps = [e.snapshot for e in engines if e.is_fresh()]
     waiting = sum(s.waiting or 0 for s in snaps)

@@ -162,7 +162,8 @@ def manage(parts: Parts, stack: contextlib.AsyncExitStack) -> None:
 
     sups, settings = parts.supervisors, parts.settings
     for i, (sup, engine) in enumerate(zip(sups, parts.engines, strict=True)):
-        sup.admission = parts.admission if len(sups) == 1 else EngineControl(parts.admission, i)
+        admission = parts.local_admission()
+        sup.admission = admission if len(sups) == 1 else EngineControl(admission, i)
         sup.engine = engine  # its metrics and the answers completed through the gateway
         stack.push_async_callback(sup.stop)
     # With one engine a turn restarts it in place; with several, one at a time while the others serve.

@@ -44,7 +44,7 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     parts = parts_of(request)
-    parts.admission.publish()  # the gauges that move with time (freshness, live usage), as of this read
+    parts.local_admission().publish()  # the gauges that move with time (freshness, live usage), as of this read
     publish_pool_metrics(parts)
     if parts.worker_metrics is None:
         data, ctype = parts.metrics.render()
@@ -57,7 +57,7 @@ async def status(request: Request) -> Response:
     parts = parts_of(request)
     authenticate(parts.settings, request)
     up = upstream_status(parts)
-    admission = parts.admission.status()
+    admission = parts.local_admission().status()
     admission["engines"] = engines_status(parts, admission["engines"])
     body: dict[str, object] = {**admission, "upstream": up, "restarts": up["restarts"]}
     if parts.supervisor is not None:
@@ -88,7 +88,8 @@ async def usage(request: Request) -> Response:
     """Each tenant's usage, for billing (admin key): by tenant name, never by key."""
     parts = parts_of(request)
     authenticate(parts.settings, request, admin=True)
-    return json(parts.tenants.report() if parts.tenants is not None else {"tenants": {}})
+    tenants = parts.local_tenants()
+    return json(tenants.report() if tenants is not None else {"tenants": {}})
 
 
 def live_page() -> Handler:

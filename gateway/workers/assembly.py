@@ -92,9 +92,10 @@ async def build_worker_parts(
         )
         progress = ForwardingProgress(client, i, settings, metrics)
         engines.append(MirroredEngine(upstream, models, view, progress))
+    tenants = RemoteTenants(settings, metrics, client)
     parts = Parts(
         settings, metrics, engines[0], RemoteAdmission(client, settings),  # type: ignore[arg-type]
-        tenants=RemoteTenants(settings, metrics, client), engines=engines,
+        tenants=tenants, engines=engines,
         supervisors=supervisors,  # type: ignore[arg-type]
         supervisor=supervisors[0] if supervisors else None,  # type: ignore[arg-type]
     )
@@ -102,8 +103,8 @@ async def build_worker_parts(
     for engine in engines:
         engine.fingerprint.on_learn = client.flush  # learned here: the authority and the others are told at once
     parts.access_log = ForwardedAccessLog(settings.access_log, client)
-    await parts.tenants.start()  # type: ignore[union-attr]  # the keys file, reloaded on change
-    stack.push_async_callback(parts.tenants.close)  # type: ignore[union-attr]
+    await tenants.start()  # the keys file, reloaded on change
+    stack.push_async_callback(tenants.close)
     await client.connect(channel)
     stack.push_async_callback(client.close)
     if engines[0].models.cached is not None:

@@ -36,9 +36,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gateway.admission.reservation import Reservation
 from gateway.errors import GatewayError
 from gateway.guard.parts import Parts
+from gateway.guard.seams import Granted, Held
 from gateway.periodic import Periodic
 from gateway.tenants import Grant
 from gateway.workers.channel import Channel
@@ -79,7 +79,7 @@ class _Attempt:
     __slots__ = ("completed", "done", "generated", "reservation", "task")
 
     def __init__(self) -> None:
-        self.reservation: Reservation | None = None  # while admitted
+        self.reservation: Held | None = None  # while admitted
         self.task: asyncio.Task[None] | None = None
         self.done = asyncio.Event()  # released by the worker (or the worker gone)
         self.completed = False
@@ -92,7 +92,7 @@ class _Request:
     __slots__ = ("attempt", "grant")
 
     def __init__(self) -> None:
-        self.grant: Grant | None = None
+        self.grant: Granted | None = None
         self.attempt = _Attempt()
 
 
@@ -153,7 +153,7 @@ class WorkerLink:
             log.exception("admitting a worker's request failed")
             self.channel.send(Refused(key, None, {}))
 
-    async def _charge(self, charge: Charge | None) -> Grant:
+    async def _charge(self, charge: Charge | None) -> Granted:
         tenants = self.parts.tenants
         if tenants is None or charge is None:
             return Grant.unlimited()
@@ -262,13 +262,12 @@ _HANDLERS: dict[type, Callable[[WorkerLink, Any], None]] = {
 }
 
 
-def _reservation(parts: Parts, b: Booking) -> Reservation:
-    reservation: Reservation = parts.admission.reservation(
+def _reservation(parts: Parts, b: Booking) -> Held:
+    return parts.admission.reservation(
         prompt_tokens=b.prompt_tokens, max_tokens=b.max_tokens, n=b.n, priority=b.priority,
         request_id=b.request_id, tenant=b.tenant, weight=b.weight, prefix=b.prefix, avoid=frozenset(b.avoid),
         family=b.family, deadline=b.deadline, min_output=b.min_output, objective=b.objective,
     )
-    return reservation
 
 
 class Authority:

@@ -37,8 +37,8 @@ def state_of(parts: Parts) -> State:
     sups = tuple(
         SupervisorState(str(s.state), float(s.retry_after()), s.url) for s in parts.every_supervisor()
     )
-    largest = parts.admission.largest_capacity()
-    return State(tuple(engines), sups, largest, parts.admission.sharing)
+    admission = parts.local_admission()
+    return State(tuple(engines), sups, admission.largest_capacity(), admission.sharing)
 
 
 @dataclass(slots=True)
