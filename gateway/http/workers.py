@@ -20,6 +20,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -36,6 +37,11 @@ log = logging.getLogger(__name__)
 
 RESTART_BACKOFF = (0.5, 1.0, 2.0, 5.0, 10.0)  # seconds before restarting a worker that died, again and again
 PREFIX = "vllm-guard-"  # the private folders: PREFIX, the authority's pid, "-", mkdtemp's random part
+# A private folder's whole name (mkdtemp's random part is 8 of [a-z0-9_]), and all it ever holds: its sockets.
+# Anything else under /tmp that starts with PREFIX (a user's virtual environment "vllm-guard-venv", say) is not
+# the gateway's, however old, and is never removed.
+_NAME = re.compile(re.escape(PREFIX) + r"(?:(\d+)-)?[a-z0-9_]{8}")
+_HOLDS = frozenset({"authority.sock", "app.sock"})
 # A folder without a pid in its name (made before the pid was put there) is left alone this long after its last
 # change: its authority may be between making it and binding its socket.
 UNNAMED_GRACE = 60.0
@@ -78,7 +84,7 @@ def remove_stale(root: Path) -> list[Path]:
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
-            if entry.name.startswith(PREFIX) and _stale(Path(entry.path)):
+            if _NAME.fullmatch(entry.name) and _stale(Path(entry.path)):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(Path(entry.path))
     if removed:
@@ -94,14 +100,28 @@ def _stale(folder: Path) -> bool:
         return False
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
         return False  # another user's, or not a folder (a link to one): never ours to remove
+    if not _only_sockets(folder):
+        return False
     pid = _pid_of(folder.name)
     gone = not _alive(pid) if pid is not None else time.time() - info.st_mtime > UNNAMED_GRACE
     return gone and not _listening(folder / "app.sock")
 
 
+def _only_sockets(folder: Path) -> bool:
+    """Whether the folder holds nothing but what an authority puts there: its two sockets, or less."""
+    try:
+        with os.scandir(folder) as entries:
+            return all(
+                entry.name in _HOLDS and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)
+                for entry in entries
+            )
+    except OSError:
+        return False
+
+
 def _pid_of(name: str) -> int | None:
-    head, _, rest = name.removeprefix(PREFIX).partition("-")
-    return int(head) if rest and head.isdigit() else None
+    found = _NAME.fullmatch(name)
+    return int(found.group(1)) if found is not None and found.group(1) is not None else None
 
 
 def _alive(pid: int) -> bool:

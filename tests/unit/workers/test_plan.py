@@ -62,18 +62,18 @@ def test_a_single_process_start_removes_them_too(
     tmp_path: Path, gone_pid: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    left = folder(tmp_path, f"vllm-guard-{gone_pid}-abc")
+    left = folder(tmp_path, f"vllm-guard-{gone_pid}-abc_1234")
     assert WorkerPlan.for_settings(Settings()) is None
     assert not left.exists()
 
 
 def _live(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
-    return folder(root, f"vllm-guard-{os.getpid()}-abc")
+    return folder(root, f"vllm-guard-{os.getpid()}-abc_1234")
 
 
 def _listening(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
     """Its pid is gone here, yet its socket answers (an authority in another pid namespace sharing /tmp)."""
-    path = folder(root, f"vllm-guard-{pid}-abc", socket_file=False)
+    path = folder(root, f"vllm-guard-{pid}-abc_1234", socket_file=False)
     sock = socket.socket(socket.AF_UNIX)
     sock.bind(str(path / "app.sock"))
     sock.listen()
@@ -86,28 +86,64 @@ def _unnamed_fresh(root: Path, pid: int, listeners: list[socket.socket]) -> Path
 
 
 def _a_file(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
-    path = root / f"vllm-guard-{pid}-abc"
+    path = root / f"vllm-guard-{pid}-abc_1234"
     path.write_text("not a folder")
     return path
 
 
 def _a_link(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
     target = folder(root, "elsewhere")
-    path = root / f"vllm-guard-{pid}-abc"
+    path = root / f"vllm-guard-{pid}-abc_1234"
     path.symlink_to(target)
     return path
 
 
 def _other_prefix(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
-    return folder(root, f"vllm-guardian-{pid}-abc")
+    return folder(root, f"vllm-guardian-{pid}-abc_1234")
+
+
+def _a_users_folder(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    """A virtual environment a user named after the project: not the gateway's, however old."""
+    path = folder(root, "vllm-guard-venv", socket_file=False)
+    (path / "bin").mkdir()
+    (path / "bin" / "python").write_text("")
+    _age(path)
+    return path
+
+
+def _random_looking_name_other_contents(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    path = folder(root, "vllm-guard-results")  # 7 letters: not mkdtemp's 8
+    _age(path)
+    return path
+
+
+def _more_than_sockets(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    path = folder(root, f"vllm-guard-{pid}-k2j_x9aa")
+    (path / "notes.txt").write_text("the user's")
+    return path
+
+
+def _unnamed_with_more_than_sockets(root: Path, pid: int, listeners: list[socket.socket]) -> Path:
+    path = folder(root, "vllm-guard-q8w_e2rt")
+    (path / "lib").mkdir()
+    _age(path)
+    return path
+
+
+def _age(path: Path) -> None:
+    long_ago = time.time() - UNNAMED_GRACE - 5
+    os.utime(path, (long_ago, long_ago))
 
 
 Make = Callable[[Path, int, list[socket.socket]], Path]
 
 
 @pytest.mark.parametrize(
-    "make", [_live, _listening, _unnamed_fresh, _a_file, _a_link, _other_prefix],
-    ids=["its authority lives", "its socket answers", "no pid, just made", "a file", "a link", "another name"],
+    "make",
+    [_live, _listening, _unnamed_fresh, _a_file, _a_link, _other_prefix, _a_users_folder,
+     _random_looking_name_other_contents, _more_than_sockets, _unnamed_with_more_than_sockets],
+    ids=["its authority lives", "its socket answers", "no pid, just made", "a file", "a link", "another name",
+         "a user's vllm-guard-venv", "not mkdtemp's name", "more than sockets", "no pid, more than sockets"],
 )
 def test_what_may_still_be_in_use_or_is_not_a_gateways_folder_is_kept(
     tmp_path: Path, gone_pid: int, listeners: list[socket.socket], make: Make
@@ -126,7 +162,7 @@ def test_an_unnamed_folder_nothing_listens_on_is_removed_once_old(tmp_path: Path
 
 
 def test_another_users_folder_is_kept(tmp_path: Path, gone_pid: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = folder(tmp_path, f"vllm-guard-{gone_pid}-abc")
+    path = folder(tmp_path, f"vllm-guard-{gone_pid}-abc_1234")
     monkeypatch.setattr(workers.os, "getuid", lambda: path.stat().st_uid + 1)
     assert remove_stale(tmp_path) == []
     assert path.exists()
