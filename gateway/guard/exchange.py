@@ -11,7 +11,6 @@ from typing import Any
 
 import orjson
 
-from gateway.admission import Reservation
 from gateway.engine.client import UpstreamStream
 from gateway.engine.engine import Engine
 from gateway.engine.usage import EVERYTHING, UsageAsk, ask_engine_for_usage
@@ -19,6 +18,7 @@ from gateway.engine.vllm_api import upstream_error_from
 from gateway.errors import BadUpstreamResponse, EngineQueueFull
 from gateway.guard.models import Models
 from gateway.guard.parts import Parts
+from gateway.guard.seams import Held
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def close(parts: Parts, engine: Engine[Models], stream: UpstreamStream) -> None:
 
 
 async def read_answer(
-    parts: Parts, engine: Engine[Models], route: str, stream: UpstreamStream, reservation: Reservation | None
+    parts: Parts, engine: Engine[Models], route: str, stream: UpstreamStream, reservation: Held | None
 ) -> bytes:
     """A whole JSON answer; its usage teaches the reservation how long outputs really are (``reservation``
     None: the route generates nothing, like the pooling routes)."""

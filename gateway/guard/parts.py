@@ -7,11 +7,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from gateway.admission.controller import Admission
-from gateway.admission.reservation import Reservation
 from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.guard.models import Models
-from gateway.guard.seams import AccessLogging
+from gateway.guard.seams import AccessLogging, Admitting, Held, TenantLimits
 from gateway.metrics import Metrics
 from gateway.observe.access_log import AccessLog
 from gateway.observe.history import Sampler
@@ -31,10 +30,10 @@ class Parts:
     settings: Settings
     metrics: Metrics
     engine: Engine[Models]
-    admission: Admission
+    admission: Admitting  # the KV books: this process's, or the authority's (a worker)
     supervisor: Supervisor | None = None  # managed mode only
     sampler: Sampler | None = None  # the live page's history (/guard/ui)
-    tenants: Tenants | None = None  # keys -> tenants, their limits and usage
+    tenants: TenantLimits | None = None  # keys -> tenants, their limits and usage
     engines: list[Engine[Models]] = field(default_factory=list)  # every engine guarded; the first is ``engine``
     # Managed mode with several engines: one supervisor per engine (the first is ``supervisor``), restarts rolling.
     supervisors: list[Supervisor] = field(default_factory=list)
@@ -99,7 +98,7 @@ class Outcome:
     engine: str | None = None  # the engine it ran on, when the gateway guards several (or a data-parallel one)
     # The reservation that learns what the engine generated: read live, since a stream's pipeline may be closed
     # after the stream's end was written (None: the request generates nothing, or never reached the engine).
-    output: Reservation | None = None
+    output: Held | None = None
 
     @property
     def completion_tokens(self) -> int | None:

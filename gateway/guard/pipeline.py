@@ -22,7 +22,6 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from gateway.admission import Reservation
 from gateway.engine.sse import require_event_stream
 from gateway.engine.usage import EVERYTHING, UsageAsk
 from gateway.engine.vllm_api import ModelList
@@ -33,6 +32,7 @@ from gateway.guard.parts import Outcome, Parts
 from gateway.guard.policy import Limits, effective_max_model_len
 from gateway.guard.pooling import PoolingRequest
 from gateway.guard.protocol import GuardedRequest, parse_chat, parse_completion, parse_responses
+from gateway.guard.seams import Granted, Held
 from gateway.guard.stream import EngineStream
 from gateway.managed.lifecycle import EngineLifecycle
 from gateway.managed.logfacts import engine_death_reply
@@ -125,7 +125,7 @@ async def served_listing(parts: Parts) -> ModelList:
         raise
 
 
-async def check_tenant_limits(parts: Parts, ctx: RequestContext, booking: Booking) -> Grant:
+async def check_tenant_limits(parts: Parts, ctx: RequestContext, booking: Booking) -> Granted:
     """Charge the request to its tenant's windows (its prompt tokens as counted + the max_tokens booked for
     each sequence; 429 over a limit), and report where the tenant stands in OpenAI's x-ratelimit-* headers."""
     if parts.tenants is None:
@@ -139,7 +139,7 @@ async def check_tenant_limits(parts: Parts, ctx: RequestContext, booking: Bookin
 
 
 async def admit_and_exchange(
-    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, grant: Grant, ask: UsageAsk = EVERYTHING
+    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, grant: Granted, ask: UsageAsk = EVERYTHING
 ) -> AsyncGenerator[Reply, None]:
     """Hold a reservation (waiting in the queue if need be) for the exchange with the engine it was placed on.
     A request that engine failed before anything reached the client is sent once more: to another engine when
@@ -195,7 +195,7 @@ async def admit_and_exchange(
 
 
 async def exchange_with_engine(
-    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, reservation: Reservation,
+    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, reservation: Held,
     ask: UsageAsk = EVERYTHING, *, resend: bool = True,
 ) -> AsyncGenerator[Reply, None]:
     """Forward and read the answer whole, or open the stream and hand its events to the HTTP layer, holding
@@ -257,7 +257,7 @@ def plan_attributes(req: GuardedRequest | PoolingRequest, out: Outcome) -> dict[
     }
 
 
-def engine_attributes(reservation: Reservation) -> dict[str, AttrValue]:
+def engine_attributes(reservation: Held) -> dict[str, AttrValue]:
     target = reservation.target
     return {"vllm_guard.engine": target.name} if target is not None else {}
 

@@ -21,7 +21,6 @@ import logging
 import time
 from typing import Protocol
 
-from gateway.admission import Reservation
 from gateway.engine.client import UpstreamStream, decoder_for
 from gateway.engine.engine import Engine
 from gateway.engine.sse import SSEFramer
@@ -30,6 +29,7 @@ from gateway.errors import GatewayError, UpstreamHung
 from gateway.guard import exchange
 from gateway.guard.models import Models
 from gateway.guard.parts import Parts
+from gateway.guard.seams import Held
 from gateway.observe.tracing import OFF, RequestTrace
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ class EngineStream:
     )
 
     def __init__(
-        self, parts: Parts, engine: Engine[Models], route: str, stream: UpstreamStream, reservation: Reservation,
+        self, parts: Parts, engine: Engine[Models], route: str, stream: UpstreamStream, reservation: Held,
         ask: UsageAsk = EVERYTHING,
     ) -> None:
         self.parts, self.route, self.stream, self.reservation = parts, route, stream, reservation

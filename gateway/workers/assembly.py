@@ -94,8 +94,7 @@ async def build_worker_parts(
         engines.append(MirroredEngine(upstream, models, view, progress))
     tenants = RemoteTenants(settings, metrics, client)
     parts = Parts(
-        settings, metrics, engines[0], RemoteAdmission(client, settings),  # type: ignore[arg-type]
-        tenants=tenants, engines=engines,
+        settings, metrics, engines[0], RemoteAdmission(client, settings), tenants=tenants, engines=engines,
         supervisors=supervisors,  # type: ignore[arg-type]
         supervisor=supervisors[0] if supervisors else None,  # type: ignore[arg-type]
     )
