@@ -22,14 +22,14 @@ from collections.abc import Iterable, Mapping, Sequence
 PIPELINE = "handle (gateway/guard/pipeline.py"
 EXCHANGE = "exchange_with_engine (gateway/guard/pipeline.py"
 PIPELINE_STAGES: tuple[tuple[str, str, str], ...] = (
-    ("parse and validate", "parse ", "gateway/guard/pipeline.py"),
+    ("parse and validate", "parse_", "gateway/guard/endpoints/"),
     ("parse and validate", "engine_limits ", "gateway/guard/pipeline.py"),
     ("parse and validate", "refuse_while_", "gateway/guard/pipeline.py"),
     ("count and plan", "plan_generation ", "gateway/guard/planning.py"),
     ("count and plan", "plan_pooling ", "gateway/guard/planning.py"),
     ("tenant limits", "check_tenant_limits ", "gateway/guard/pipeline.py"),
     ("tenant limits", "Grant.settle ", "gateway/tenants/"),
-    ("the engine's body", "engine_body ", "gateway/guard/exchange.py"),
+    ("the engine's body", "engine_body ", "gateway/guard/endpoints/base.py"),
     ("the engine's body", "dumps ", "gateway/guard/offload.py"),
 )
 # (stage, a piece of a frame) from the leaf up, outside the pipeline: tasks and callbacks of their own (the

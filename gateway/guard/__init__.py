@@ -6,14 +6,15 @@ engine's progress and the access log), which one process and a worker of ``--wor
 """
 
 __all__ = [
-    "context",  # RequestContext, Reply, Booking: one request's state between the stages
+    "context",  # RequestContext, Reply, Booking, Plan: one request's state between the stages
     "counting",  # exact prompt token counts, as vLLM computes them
+    "endpoints",  # one module per guarded endpoint (its request, its validation) and the table of them
     "models",  # Models: the engine's served models with the tokenizer
     "parts",  # Parts, Outcome
     "pipeline",  # handle: the request path
     "policy",  # the limits in force, the prompt policy
     "prompts",  # the prompts of each request family
-    "protocol",  # the guarded routes' requests, parsed
+    "planning",  # the Plan of a request: what it books, what the engine is sent
     "seams",  # the Protocols the request path is written against
     "status",  # the engines' state, as /health and /guard/status report it
     "stream",  # EngineStream: one relayed stream

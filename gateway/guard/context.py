@@ -1,7 +1,8 @@
 """One request as the guard sees it, and what the guard answers.
 
 The HTTP layer builds a ``RequestContext`` once (request id, the key's priority, the overflow policy, the body
-parsed); the pipeline reads it and records what it did in ``outcome``. Nothing here knows HTTP frameworks.
+parsed); the pipeline reads it, plans the request (``Plan``) and records what it did in ``outcome``. Nothing here
+knows HTTP frameworks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.admission.prefix import PromptPrefix
 from gateway.config import PromptOverflowPolicy
 from gateway.guard.parts import Outcome
+from gateway.guard.prompts import Prompt
 from gateway.observe.tracing import OFF, RequestTrace
 
 if TYPE_CHECKING:
@@ -69,3 +71,16 @@ class Booking:
     prompt_ids: tuple[int, ...] | None = None
     prefix: PromptPrefix | None = None  # what of the prompt admission may book as shared (``prefixes``)
     min_output: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the guard decided for one request (``planning``): what admission books for it, and what the engine
+    is sent in place of what the client sent (``endpoints.base.engine_body`` writes it); None: the client's
+    stands."""
+
+    booking: Booking
+    max_tokens: int | None = None  # the output bound sent (generating routes), in every field the client used
+    messages: list[dict[str, Any]] | None = None  # chat: the conversation as truncated
+    prompts: list[Prompt] | None = None  # completions: the prompts as truncated
+    truncate_prompt_tokens: int | None = None  # pooling: the engine's cut of each prompt, asked by the guard

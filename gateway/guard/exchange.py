@@ -7,13 +7,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from typing import Any
 
 import orjson
 
 from gateway.engine.client import UpstreamStream
 from gateway.engine.engine import Engine
-from gateway.engine.usage import EVERYTHING, UsageAsk, ask_engine_for_usage
 from gateway.engine.vllm_api import upstream_error_from
 from gateway.errors import BadUpstreamResponse, EngineQueueFull
 from gateway.guard.models import Models
@@ -62,14 +60,6 @@ async def open_upstream(
             engine.queue_cap.refused(error.retry_after or 0.0)  # nothing more placed on it for now
         raise error
     return stream
-
-
-def engine_body(route: str, body: dict[str, Any], stream: bool) -> tuple[dict[str, Any], UsageAsk]:
-    """The body sent to the engine, and what of the stream's usage the client asked for: a chat or completions
-    stream asks the engine for its figures (``gateway.engine.usage``); the relay takes out what was not asked."""
-    if stream and route in ("chat", "completions"):
-        return ask_engine_for_usage(body)
-    return body, EVERYTHING
 
 
 def close(parts: Parts, engine: Engine[Models], stream: UpstreamStream) -> None:

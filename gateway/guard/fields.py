@@ -23,12 +23,27 @@ from typing import Any, Literal
 from gateway.errors import UnsupportedField
 from gateway.guard.counting.chatformat import has_media
 from gateway.guard.prompts import is_int
-from gateway.guard.responses import BACKGROUND, STATEFUL_FIELDS
 
 FieldClass = Literal["counted", "harmless", "refused"]
 Refuses = Callable[[Any, dict[str, Any]], bool]
-# The guarded routes, as the pipeline names them; each maps to vLLM's request models in the e2e check.
+# The guarded routes (``endpoints.table``), as named there; each maps to vLLM's request models in the e2e check.
 ROUTES = ("chat", "completions", "responses", "embeddings", "pooling", "classify", "score", "rerank")
+
+# Responses fields whose tokens live outside the request: field -> why the gateway cannot count a request that uses it
+STATEFUL_FIELDS: dict[str, str] = {
+    "previous_response_id": "it continues a conversation stored in the engine, whose tokens the gateway "
+    "cannot see; send the whole conversation in 'input' instead",
+    "conversation": "it continues a stored conversation, whose tokens the gateway cannot see; send the whole "
+    "conversation in 'input' instead",
+    "prompt": "it refers to a stored prompt template, which the gateway cannot render; send the prompt in "
+    "'instructions' and 'input' instead",
+    "previous_input_messages": "it carries engine-side (Harmony) message history, which the gateway cannot "
+    "render; send the conversation in 'input' instead",
+}
+BACKGROUND = (
+    "a background response keeps generating after the request returns, beyond the KV blocks the gateway books "
+    "for it. Send it without 'background' (stream it if it is long)"
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,19 +19,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from collections.abc import AsyncGenerator
 
 from gateway.engine.sse import require_event_stream
 from gateway.engine.usage import EVERYTHING, UsageAsk
 from gateway.engine.vllm_api import ModelList
 from gateway.errors import GatewayError, UpstreamError, UpstreamLost, UpstreamUnavailable
-from gateway.guard import exchange, offload, planning, pooling
+from gateway.guard import exchange, offload, planning
 from gateway.guard.context import Booking, Reply, RequestContext
+from gateway.guard.endpoints.base import GuardedRequest, engine_body
+from gateway.guard.endpoints.pooling import PoolingRequest
+from gateway.guard.endpoints.table import parse
 from gateway.guard.parts import Outcome, Parts
 from gateway.guard.policy import Limits, effective_max_model_len
-from gateway.guard.pooling import PoolingRequest
-from gateway.guard.protocol import GuardedRequest, parse_chat, parse_completion, parse_responses
 from gateway.guard.seams import Granted, Held
 from gateway.guard.stream import EngineStream
 from gateway.managed.lifecycle import EngineLifecycle
@@ -40,15 +40,6 @@ from gateway.observe.tracing import AttrValue
 from gateway.tenants import Grant
 
 log = logging.getLogger(__name__)
-
-# The routes' request parsers, by family (route names: gateway.http.routes.GUARDED_ROUTES).
-GENERATING: dict[str, Callable[[dict[str, Any]], GuardedRequest]] = {
-    "chat": parse_chat,
-    "completions": parse_completion,
-    "responses": parse_responses,
-}
-POOLING: dict[str, Callable[[dict[str, Any]], PoolingRequest]] = pooling.PARSERS
-
 
 async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, None]:
     answered = False  # once the head is out, a failure is the stream's own and was counted by it
@@ -62,15 +53,16 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
         trace.set(request_attributes(req))
         with trace.stage("count"):
             if isinstance(req, PoolingRequest):
-                booking = await planning.plan_pooling(
+                plan = await planning.plan_pooling(
                     parts, req, limits, ctx.prompt_policy, engine_max_model_len, ctx.outcome
                 )
             else:
-                booking = await planning.plan_generation(parts, req, limits, ctx.prompt_policy, ctx.outcome)
+                plan = await planning.plan_generation(parts, req, limits, ctx.prompt_policy, ctx.outcome)
         trace.set(plan_attributes(req, ctx.outcome))
+        booking = plan.booking
         with trace.stage("tenant"):
             grant = await check_tenant_limits(parts, ctx, booking)
-        sent, ask = exchange.engine_body(ctx.route, req.body, booking.stream)
+        sent, ask = engine_body(req, plan)  # the one place the engine's body is written
         body = await offload.dumps(sent)
         try:
             # Closed here, not left to the loop's finalizer hook: an async generator dropped unclosed has its
@@ -94,11 +86,6 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
         raise
     finally:
         finish_trace(ctx)
-
-
-def parse(route: str, body: dict[str, Any]) -> GuardedRequest | PoolingRequest:
-    generating = GENERATING.get(route)
-    return generating(body) if generating is not None else POOLING[route](body)
 
 
 async def engine_limits(parts: Parts, req: GuardedRequest | PoolingRequest) -> tuple[Limits, int]:

@@ -1,46 +1,54 @@
 """The planning stage: count a request's prompts as the engine will, apply the prompt and output policies, and
-fit it to the KV budget. The result is the ``Booking`` admission reserves; what was done (counted, truncated,
-clamped) is recorded in the request's outcome.
+fit it to the KV budget. The result is a ``Plan``: the ``Booking`` admission reserves, and what the engine is to
+be sent in place of what the client sent (the bound, the prompts as truncated); the request itself is never
+edited. What was done (counted, truncated, clamped) is recorded in the request's outcome.
 
 Two families: generating routes (chat, completions, responses) count prompts, truncate or reject them, and bound
-and book ``max_tokens``; pooling routes (embeddings, pooling, classify, score, rerank) count each input against
-the context and book only prompt blocks, one sequence per prompt.
+and book ``max_tokens`` (where they differ, their ``Endpoint`` says how); pooling routes (embeddings, pooling,
+classify, score, rerank) count each input against the context and book only prompt blocks, one sequence per
+prompt.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from gateway.config import PromptOverflowPolicy, Settings
 from gateway.engine.vllm_api import reading
 from gateway.errors import KVBudgetExceeded, MaxTokensExceeded
-from gateway.guard import offload, pooling, responses
-from gateway.guard.context import Booking
+from gateway.guard import offload
+from gateway.guard.context import Booking, Plan
 from gateway.guard.counting import Counter, PromptTokens
+from gateway.guard.endpoints import pooling
+from gateway.guard.endpoints.base import GuardedRequest
+from gateway.guard.endpoints.pooling import PoolingRequest
 from gateway.guard.parts import Outcome, Parts
 from gateway.guard.policy import Limits, MaxTokensDecision, PromptDecision, decide_max_tokens, decide_prompt
-from gateway.guard.pooling import PoolingRequest
 from gateway.guard.prefixes import prompt_prefix
 from gateway.guard.prompts import Prompt
-from gateway.guard.protocol import GuardedRequest, set_max_tokens, set_prompts
 from gateway.guard.seams import Admitting
+
+# What the prompt policy made of the prompts: their tokens as the engine will run them, and the chat's messages
+# or the completions' prompts as cut (None: as the client sent them).
+Fitted = tuple[list[PromptTokens], list[dict[str, Any]] | None, list[Prompt] | None]
 
 
 # -- generating routes ----------------------------------------------------------------------------
 async def plan_generation(
     parts: Parts, req: GuardedRequest, limits: Limits, policy: PromptOverflowPolicy, out: Outcome
-) -> Booking:
+) -> Plan:
     s = parts.settings
     tokens = await count(parts, req)
-    tokens = await apply_prompt_policy(parts, req, tokens, limits, policy, out)
+    tokens, messages, prompts = await apply_prompt_policy(parts, req, tokens, limits, policy, out)
     sizes = await offload.run(PromptSizes.of, tokens)  # a million prompts for a body of one-token prompts
     prompt_ids = tokens[0].ids if sizes.number == 1 else None
     await offload.release(tokens)
     out.prompt_tokens = sizes.total
     decision = decide_output(req, sizes.longest, limits, s)
     sequences = req.n * sizes.number
-    prefix = prompt_prefix(req.route, req.body, prompt_ids)
+    prefix = prompt_prefix(req.endpoint, req.body, prompt_ids)
     # Each sequence is charged for the longest prompt: an upper bound that stays tight. With prefix sharing the
     # n sequences of one known prompt hold its shareable blocks once.
     max_tokens = parts.admission.fit(
@@ -48,10 +56,10 @@ async def plan_generation(
         prefix_known=prefix is not None,
     )
     parts.metrics.record_max_tokens(req.route, max_tokens, decision.clamped or max_tokens != decision.max_tokens)
-    set_max_tokens(req, max_tokens)
     out.max_tokens = max_tokens
-    return Booking(sizes.longest, max_tokens, sequences, stream=req.stream, prompt_ids=prompt_ids, prefix=prefix,
-                   min_output=sure_output(req, max_tokens))
+    booking = Booking(sizes.longest, max_tokens, sequences, stream=req.stream, prompt_ids=prompt_ids, prefix=prefix,
+                      min_output=sure_output(req, max_tokens))
+    return Plan(booking, max_tokens, messages, prompts)
 
 
 @dataclass(frozen=True)
@@ -77,7 +85,7 @@ def sure_output(req: GuardedRequest, max_tokens: int) -> int:
     absent: the engine answers it with its own 400. Responses has no ``min_tokens``."""
     if reading.flag(req.body, "ignore_eos"):
         return max_tokens
-    least = reading.count(req.body, "min_tokens") if req.route != "responses" else 0
+    least = reading.count(req.body, "min_tokens") if req.endpoint.min_tokens else 0
     return max(0, min(least or 0, max_tokens))
 
 
@@ -104,27 +112,31 @@ def _adds_special_tokens(req: GuardedRequest) -> bool:
 async def apply_prompt_policy(
     parts: Parts, req: GuardedRequest, tokens: list[PromptTokens], limits: Limits, policy: PromptOverflowPolicy,
     out: Outcome,
-) -> list[PromptTokens]:
-    """The prompts' tokens once the policy has run: as counted, or those of the truncated prompts."""
-    if req.route == "responses":
-        responses.check_fits(tokens[0].count, limits, policy)
-        return tokens
-    subject = "messages" if req.route == "chat" else "prompt"
+) -> Fitted:
+    """The prompts once the policy has run: as counted, or truncated (with the tokens of the prompts as cut)."""
+    fits = req.endpoint.fits
+    if fits is not None:  # never truncated: the endpoint's own check
+        fits(tokens[0].count, limits, policy)
+        return tokens, None, None
     # One decision per prompt: a million of them for a body of one-token prompts, so off the loop for a large body.
-    decisions, fit = await offload.run(_decide_prompts, tokens, limits, policy, req.max_tokens, subject)
+    decisions, fit = await offload.run(
+        _decide_prompts, tokens, limits, policy, req.max_tokens, req.endpoint.prompt_field
+    )
     if fit:
-        return tokens
+        return tokens, None, None
     counter = await parts.models.counter()
-    if req.route == "chat":
+    messages: list[dict[str, Any]] | None = None
+    prompts: list[Prompt] | None = None
+    if req.conversation is not None:
         cut = await counter.truncate_chat(req.body, decisions[0].budget)
-        req.body["messages"] = cut.messages
+        messages = cut.messages
         out.truncated_tokens = cut.removed_tokens
         # Truncation counts; the ids are those of the chat as cut, re-tokenized (mostly from the piece cache).
-        new_tokens = [await counter.tokenize_chat(req.body)]
+        new_tokens = [await counter.tokenize_chat({**req.body, "messages": messages})]
     else:
-        new_tokens = await _truncate_prompts(counter, req, tokens, decisions, out)
+        new_tokens, prompts = await _truncate_prompts(counter, req, tokens, decisions, out)
     parts.metrics.record_truncation(req.route, out.truncated_tokens)
-    return new_tokens
+    return new_tokens, messages, prompts
 
 
 def _decide_prompts(
@@ -139,7 +151,7 @@ def _decide_prompts(
 
 async def _truncate_prompts(
     counter: Counter, req: GuardedRequest, tokens: list[PromptTokens], decisions: list[PromptDecision], out: Outcome
-) -> list[PromptTokens]:
+) -> tuple[list[PromptTokens], list[Prompt]]:
     """Cut each prompt that does not fit to its budget; a cut prompt is re-tokenized for its ids."""
     add_special_tokens = _adds_special_tokens(req)
     prompts: list[Prompt] = []
@@ -153,38 +165,37 @@ async def _truncate_prompts(
         out.truncated_tokens += cut.removed_tokens
         prompts.append(cut.prompt)
         new_tokens += await counter.tokenize_prompts(cut.prompt, add_special_tokens=add_special_tokens)
-    set_prompts(req, prompts)
-    return new_tokens
+    return new_tokens, prompts
 
 
 def decide_output(req: GuardedRequest, prompt_tokens: int, limits: Limits, s: Settings) -> MaxTokensDecision:
     try:
         return decide_max_tokens(prompt_tokens, req.max_tokens, limits, s.on_max_tokens_overflow)
     except MaxTokensExceeded as exc:
-        if req.route != "responses":
+        bound = req.endpoint.bound
+        if bound == "max_tokens":
             raise
-        # The same bound under the Responses API's name for it.
-        raise MaxTokensExceeded(
-            exc.message.replace("max_tokens", "max_output_tokens"), param="max_output_tokens"
-        ) from None
+        # The same bound under the endpoint's own name for it (the Responses API's max_output_tokens).
+        raise MaxTokensExceeded(exc.message.replace("max_tokens", bound), param=bound) from None
 
 
 # -- pooling routes -------------------------------------------------------------------------------
 async def plan_pooling(
     parts: Parts, req: PoolingRequest, limits: Limits, policy: PromptOverflowPolicy, engine_max_model_len: int,
     out: Outcome,
-) -> Booking:
+) -> Plan:
     counter = await parts.models.counter()
     t0 = time.perf_counter()
     counts = await pooling.count(counter, req.inputs)
     parts.metrics.record_counted(sum(counts), time.perf_counter() - t0)
-    counts, cut = await offload.run(pooling.fit_context, req, counts, limits, policy, engine_max_model_len)
+    counts, cut, truncate = await offload.run(pooling.fit_context, req, counts, limits, policy, engine_max_model_len)
     if cut:
         out.truncated_tokens = cut
         parts.metrics.record_truncation(req.route, cut)
     out.prompt_tokens = sum(counts)
     longest = max(counts)
-    return Booking(longest, 0, batch_sequences(parts.admission, longest, len(counts)), learns_output=False)
+    booking = Booking(longest, 0, batch_sequences(parts.admission, longest, len(counts)), learns_output=False)
+    return Plan(booking, truncate_prompt_tokens=truncate)
 
 
 def batch_sequences(admission: Admitting, prompt_tokens: int, n: int) -> int:

@@ -16,25 +16,25 @@ from collections.abc import Sequence
 from typing import Any
 
 from gateway.admission.prefix import PromptPrefix
-
-# The field that turns on prompt logprobs when ``echo`` is set, by route.
-_ECHO_LOGPROBS = {"chat": "top_logprobs", "completions": "logprobs"}
+from gateway.guard.endpoints.base import Endpoint, Validated
 
 
-def prompt_prefix(route: str, body: dict[str, Any], ids: Sequence[int] | None) -> PromptPrefix | None:
+def prompt_prefix(
+    endpoint: Endpoint[Validated], body: dict[str, Any], ids: Sequence[int] | None
+) -> PromptPrefix | None:
     """The prefix admission may book as shared, or None when the engine will not share this prompt's blocks."""
-    if ids is None or not reads_prefix_cache(route, body):
+    if ids is None or not reads_prefix_cache(endpoint, body):
         return None
     model = body.get("model")
     salt = body.get("cache_salt")
     return PromptPrefix(ids, f"{model if isinstance(model, str) else ''}\0{salt if isinstance(salt, str) else ''}")
 
 
-def reads_prefix_cache(route: str, body: dict[str, Any]) -> bool:
+def reads_prefix_cache(endpoint: Endpoint[Validated], body: dict[str, Any]) -> bool:
     # A truncated prompt keeps tokens that need not start with the prefix the gateway counted from.
     if any(body.get(k) is not None for k in ("prompt_logprobs", "truncate_prompt_tokens")) or body.get(
         "kv_transfer_params"
     ):
         return False
-    echo_field = _ECHO_LOGPROBS.get(route)
+    echo_field = endpoint.echo_logprobs  # the field that turns on prompt logprobs when ``echo`` is set
     return not (echo_field is not None and body.get("echo") and body.get(echo_field) is not None)

@@ -20,7 +20,7 @@ from gateway.http.errors import status_and_type
 from gateway.observe.access_log import AccessRecord
 from gateway.observe.tracing import trace_id_of_traceparent
 
-# The fields a client states its output limit in, by route family (gateway/guard/protocol.py reads the same).
+# The fields a client states its output limit in, on any route (each endpoint's ``bound_fields``, in guard/endpoints/).
 ASKED_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 
 

@@ -15,7 +15,7 @@ from gateway.config import PromptOverflowPolicy, Settings
 from gateway.errors import InvalidRequest
 from gateway.guard import offload
 from gateway.guard.context import RequestContext
-from gateway.guard.protocol import decode_json
+from gateway.guard.endpoints.base import decode_json
 from gateway.http.auth import Caller, identify
 from gateway.http.body import BodyLimits, read_body
 from gateway.observe.tracing import carrier_of

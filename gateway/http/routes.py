@@ -16,6 +16,7 @@ from typing import Literal
 
 from gateway.config import GENERATING_ROUTES
 from gateway.errors import MethodNotAllowed, NotFound
+from gateway.guard.endpoints.table import ENDPOINTS
 
 # Far above any route's length (the longest is 30 bytes), far below what a path could cost to handle.
 MAX_PATH_BYTES = 1024
@@ -40,20 +41,9 @@ class Route:
     query: bool = False
 
 
-# Every route on which vLLM counts tokens against the context: served only through the guard.
-GUARDED_ROUTES: dict[str, str] = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "completions",
-    "/v1/responses": "responses",
-    "/v1/embeddings": "embeddings",
-    "/pooling": "pooling",
-    "/score": "score",
-    "/v1/score": "score",
-    "/rerank": "rerank",
-    "/v1/rerank": "rerank",
-    "/v2/rerank": "rerank",
-    "/classify": "classify",
-}
+# Every route on which vLLM counts tokens against the context, served only through the guard: path -> route name
+# (the guard's one table of endpoints, ``guard/endpoints/table.py``).
+GUARDED_ROUTES: dict[str, str] = {path: e.name for e in ENDPOINTS for path in e.paths}
 
 GATEWAY_ROUTES: tuple[Route, ...] = (
     Route("/v1/models", "GET", "gateway", "models"),

@@ -26,11 +26,11 @@ from starlette.responses import Response
 
 from gateway.errors import BadUpstreamResponse, ContextLengthExceeded, InvalidRequest, UpstreamUnavailable
 from gateway.guard.counting import LocalCounter, PromptTokens
+from gateway.guard.endpoints.base import decode_json
 from gateway.guard.parts import Parts
 from gateway.guard.pipeline import served_listing
 from gateway.guard.policy import Limits, decide_prompt, effective_max_model_len
 from gateway.guard.prompts import flag, is_int, json_type
-from gateway.guard.protocol import decode_json
 from gateway.http.auth import authenticate
 from gateway.http.body import BodyLimits, read_body
 from gateway.http.context import request_id

@@ -19,7 +19,7 @@ ADMIT = [*PIPELINE, "admit_and_exchange (gateway/guard/pipeline.py:150)"]
     (ROOT, LOOP),
     ([*ROOT, "Periodic._loop (gateway/periodic.py:100)", "EngineView.refresh (gateway/engine/live.py:120)",
       "ModelList.max_model_len (gateway/engine/x.py:3)"], BACKGROUND),
-    ([*PIPELINE, "parse (gateway/guard/pipeline.py:95)", "parse_chat (gateway/guard/protocol.py:10)"],
+    ([*PIPELINE, "run (gateway/guard/offload.py:61)", "parse_chat (gateway/guard/endpoints/chat.py:20)"],
      "parse and validate"),
     ([*PIPELINE, "plan_generation (gateway/guard/planning.py:30)", "Booking.__init__ (<string>:2)"],
      "count and plan"),

@@ -12,9 +12,10 @@ import pytest
 from gateway.config import Settings
 from gateway.errors import ContextLengthExceeded, InvalidRequest, KVBudgetExceeded
 from gateway.guard.counting import LocalCounter
+from gateway.guard.endpoints.pooling import Chats, Pairs, Texts, fit_context
+from gateway.guard.endpoints.table import BY_NAME
 from gateway.guard.planning import batch_sequences
 from gateway.guard.policy import Limits
-from gateway.guard.pooling import PARSERS, Chats, Pairs, Texts, fit_context
 from testing.gateway_thread import GatewayServer, run_gateway
 from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 
@@ -75,13 +76,13 @@ CASES: list[tuple[str, str, dict[str, Any], int]] = [
 def test_each_route_reads_its_inputs_as_one_prompt_each(
     route: str, body: dict[str, Any], kind: type, params: list[str]
 ) -> None:
-    req = PARSERS[route](body)
+    req = BY_NAME[route].parse(body)
     assert isinstance(req.inputs, kind)
     assert req.params == params
 
 
 def test_a_pooling_conversation_gets_vllms_pooling_defaults() -> None:
-    req = PARSERS["embeddings"]({"messages": CHAT})
+    req = BY_NAME["embeddings"].parse({"messages": CHAT})
     assert isinstance(req.inputs, Chats)
     assert req.inputs.bodies[0] == {
         "messages": CHAT, "add_generation_prompt": False, "continue_final_message": False, "add_special_tokens": False
@@ -89,7 +90,7 @@ def test_a_pooling_conversation_gets_vllms_pooling_defaults() -> None:
 
 
 def test_one_query_pairs_with_every_document() -> None:
-    req = PARSERS["rerank"]({"query": "q", "documents": ["a", "b"], "max_tokens_per_doc": 3})
+    req = BY_NAME["rerank"].parse({"query": "q", "documents": ["a", "b"], "max_tokens_per_doc": 3})
     assert req.inputs == Pairs([("q", "a"), ("q", "b")], 0, 3)
 
 
@@ -116,7 +117,7 @@ def test_one_query_pairs_with_every_document() -> None:
 )
 def test_malformed_or_uncountable_inputs_are_refused(route: str, body: dict[str, Any], param: str, words: str) -> None:
     with pytest.raises(InvalidRequest) as info:
-        PARSERS[route](body)
+        BY_NAME[route].parse(body)
     assert info.value.param == param
     assert words in info.value.message
 
@@ -154,10 +155,10 @@ async def test_pair_bounds_cut_each_side_before_joining(tokenizer: Any) -> None:
 def test_prompt_lengths_follow_the_engines_truncation_and_padding(
     body: dict[str, Any], counts: list[int], policy: Any, lengths: list[int], cut: int
 ) -> None:
-    req = PARSERS["embeddings"](body)
-    assert fit_context(req, counts, Limits(100), policy, 100) == (lengths, cut)
-    if cut:
-        assert req.body["truncate_prompt_tokens"] == 100
+    req = BY_NAME["embeddings"].parse(body)
+    # The engine is asked to cut at the context only where the policy cut; the client's body stays as it came.
+    assert fit_context(req, counts, Limits(100), policy, 100) == (lengths, cut, 100 if cut else None)
+    assert req.body == body
 
 
 @pytest.mark.parametrize(
@@ -167,7 +168,7 @@ def test_prompt_lengths_follow_the_engines_truncation_and_padding(
     ids=["the context", "--max-prompt-tokens"],
 )
 def test_a_prompt_over_the_limit_is_rejected_with_where_it_is(limits: Limits, words: str) -> None:
-    req = PARSERS["embeddings"]({"input": ["a", "b"]})
+    req = BY_NAME["embeddings"].parse({"input": ["a", "b"]})
     with pytest.raises(ContextLengthExceeded) as info:
         fit_context(req, [10, 150], limits, "reject", 100)
     assert info.value.param == "input[1]"
@@ -175,7 +176,7 @@ def test_a_prompt_over_the_limit_is_rejected_with_where_it_is(limits: Limits, wo
 
 
 def test_truncation_beyond_the_engines_context_is_refused() -> None:
-    req = PARSERS["embeddings"]({"input": "a", "truncate_prompt_tokens": 500})
+    req = BY_NAME["embeddings"].parse({"input": "a", "truncate_prompt_tokens": 500})
     with pytest.raises(InvalidRequest, match="cannot be greater than max_model_len=100"):
         fit_context(req, [10], Limits(100), "reject", 100)
 

@@ -15,8 +15,7 @@ import pytest
 from gateway.config import Settings
 from gateway.errors import InvalidRequest
 from gateway.guard.counting.chatformat import normalize_tools
-from gateway.guard.protocol import parse_responses
-from gateway.guard.responses import chat_tools, continues_final_message, input_messages
+from gateway.guard.endpoints.responses import chat_tools, continues_final_message, input_messages, parse_responses
 from testing.gateway_thread import GatewayServer, run_gateway
 from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.integration.test_proxy import wait_until
@@ -158,11 +157,12 @@ def test_what_cannot_be_counted_or_is_malformed_is_refused_clearly(
 
 
 def test_the_clamped_bound_is_written_to_max_output_tokens_only() -> None:
-    from gateway.guard.protocol import set_max_tokens
+    from gateway.guard.context import Booking, Plan
+    from gateway.guard.endpoints.base import engine_body
 
     req = parse_responses({"input": "x", "max_output_tokens": 900})
-    set_max_tokens(req, 40)
-    assert req.body["max_output_tokens"] == 40 and "max_tokens" not in req.body
+    sent, _ = engine_body(req, Plan(Booking(1, 40, 1), max_tokens=40))
+    assert sent["max_output_tokens"] == 40 and "max_tokens" not in sent
 
 
 # -- through the gateway --------------------------------------------------------------------------------

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 
 from gateway.errors import UnsupportedField
-from gateway.guard import fields, pooling
+from gateway.guard import fields
+from gateway.guard.endpoints.chat import CHAT, parse_chat
+from gateway.guard.endpoints.table import BY_NAME
 from gateway.guard.fields import ROUTES, TABLE
 from gateway.guard.prefixes import reads_prefix_cache
-from gateway.guard.protocol import parse_chat, parse_completion, parse_responses
 from gateway.http.errors import error_body, status_and_type
 
 IDS = {"prompt_token_ids": [1, 2, 3]}
@@ -27,9 +28,7 @@ BASES: dict[str, dict[str, Any]] = {
     "score": {"model": "tiny", "text_1": "a", "text_2": ["b", "c"]},
     "rerank": {"model": "tiny", "query": "a", "documents": ["b", "c"]},
 }
-PARSE: dict[str, Callable[[dict[str, Any]], Any]] = {
-    "chat": parse_chat, "completions": parse_completion, "responses": parse_responses, **pooling.PARSERS,
-}
+PARSE: dict[str, Callable[[dict[str, Any]], Any]] = {name: endpoint.parse for name, endpoint in BY_NAME.items()}
 _GENERATE = ("chat", "completions", "responses")
 _EVERYWHERE = ROUTES
 # A value each refused field is refused with, on the routes that have it: the table claims exactly these.
@@ -75,6 +74,10 @@ def _refused_claims() -> set[tuple[str, str]]:
 def _cases() -> list[Any]:
     return [pytest.param(r, name, value, id=f"{r}-{name}") for name, (value, routes) in REFUSED.items()
             for r in routes]  # fmt: skip
+
+
+def test_the_table_classifies_the_fields_of_every_guarded_endpoint() -> None:
+    assert set(ROUTES) == set(TABLE) == set(BY_NAME)
 
 
 def test_the_refused_fields_are_exactly_those_the_table_claims() -> None:
@@ -154,4 +157,4 @@ def test_fields_vllm_does_not_declare_pass_through_untouched() -> None:
     ],
 )
 def test_a_prompt_the_engine_truncates_is_booked_without_prefix_sharing(body: dict[str, Any], reads: bool) -> None:
-    assert reads_prefix_cache("chat", body) is reads
+    assert reads_prefix_cache(CHAT, body) is reads

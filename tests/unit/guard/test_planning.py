@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
+from gateway.guard.endpoints.base import GuardedRequest
+from gateway.guard.endpoints.table import BY_NAME
 from gateway.guard.planning import sure_output
-from gateway.guard.protocol import GuardedRequest, Route
 
-CASES: list[tuple[str, Route, dict[str, Any], int]] = [
+CASES: list[tuple[str, str, dict[str, Any], int]] = [
     ("nothing said", "chat", {}, 0),
     ("ignore_eos", "chat", {"ignore_eos": True}, 500),
     ("ignore_eos false", "chat", {"ignore_eos": False}, 0),
@@ -32,6 +33,6 @@ CASES: list[tuple[str, Route, dict[str, Any], int]] = [
 
 
 @pytest.mark.parametrize(("route", "body", "sure"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_what_a_request_surely_generates(route: Route, body: dict[str, Any], sure: int) -> None:
-    req = GuardedRequest(route=route, body=body, model="tiny", stream=False, n=1, max_tokens=None)
+def test_what_a_request_surely_generates(route: str, body: dict[str, Any], sure: int) -> None:
+    req = GuardedRequest(endpoint=BY_NAME[route], body=body, model="tiny", stream=False, n=1, max_tokens=None)
     assert sure_output(req, 500) == sure

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from gateway.guard.endpoints.table import BY_NAME
 from gateway.guard.prefixes import prompt_prefix
 
 IDS = (1, 2, 3)
@@ -32,11 +33,11 @@ IDS = (1, 2, 3)
 def test_a_prompt_is_shared_unless_vllm_skips_reading_the_cache_for_it(
     route: str, body: dict[str, Any], shared: bool
 ) -> None:
-    assert (prompt_prefix(route, body, IDS) is not None) is shared
+    assert (prompt_prefix(BY_NAME[route], body, IDS) is not None) is shared
 
 
 def test_unknown_ids_share_nothing() -> None:
-    assert prompt_prefix("chat", {"model": "m"}, None) is None
+    assert prompt_prefix(BY_NAME["chat"], {"model": "m"}, None) is None
 
 
 @pytest.mark.parametrize(
@@ -45,5 +46,5 @@ def test_unknown_ids_share_nothing() -> None:
      ({"model": "m", "cache_salt": "s"}, {"model": "m", "cache_salt": "t"})],
 )
 def test_the_model_and_the_cache_salt_key_prompts_apart(a: dict[str, Any], b: dict[str, Any]) -> None:
-    pa, pb = prompt_prefix("chat", a, IDS), prompt_prefix("chat", b, IDS)
+    pa, pb = prompt_prefix(BY_NAME["chat"], a, IDS), prompt_prefix(BY_NAME["chat"], b, IDS)
     assert pa is not None and pb is not None and pa.salt != pb.salt and pa.ids == pb.ids

@@ -8,8 +8,9 @@ import pytest
 
 from gateway.errors import InvalidRequest
 from gateway.guard.counting import LocalCounter
+from gateway.guard.endpoints.chat import parse_chat
+from gateway.guard.endpoints.completions import parse_completion
 from gateway.guard.prompts import json_type, prompt_list
-from gateway.guard.protocol import parse_chat, parse_completion
 
 U = {"role": "user", "content": "hi"}
 MISTAKES: list[dict[str, Any]] = [

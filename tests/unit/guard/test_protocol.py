@@ -5,13 +5,10 @@ from typing import Any
 import pytest
 
 from gateway.errors import InvalidRequest
-from gateway.guard.protocol import (
-    decode_json,
-    parse_chat,
-    parse_completion,
-    set_max_tokens,
-    set_prompts,
-)
+from gateway.guard.context import Booking, Plan
+from gateway.guard.endpoints.base import decode_json, engine_body
+from gateway.guard.endpoints.chat import parse_chat
+from gateway.guard.endpoints.completions import parse_completion
 from gateway.http.errors import status_and_type
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
@@ -115,11 +112,21 @@ def test_best_of_below_n_is_refused() -> None:
     ],
 )
 def test_max_tokens_is_written_to_the_fields_the_client_used(body: dict[str, Any], fields: dict[str, int]) -> None:
+    asked = {**body}
     req = parse_chat(body)
-    set_max_tokens(req, 9)
+    sent, _ = engine_body(req, Plan(Booking(1, 9, 1), max_tokens=9))
     for name, value in fields.items():
-        assert req.body[name] == value
-    assert set(fields) <= set(req.body)
+        assert sent[name] == value
+    assert set(fields) <= set(sent)
+    assert req.body == asked  # the client's body is never edited
+
+
+def test_the_engine_body_keeps_the_clients_field_order_and_adds_new_fields_last() -> None:
+    req = parse_chat({"max_tokens": 100, **CHAT, "stream": True})
+    sent, _ = engine_body(req, Plan(Booking(1, 9, 1, stream=True), max_tokens=9, messages=[{"role": "user"}]))
+    assert list(sent) == ["max_tokens", "model", "messages", "stream", "stream_options"]
+    assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert (sent["max_tokens"], sent["messages"]) == (9, [{"role": "user"}])
 
 
 @pytest.mark.parametrize(
@@ -128,5 +135,5 @@ def test_max_tokens_is_written_to_the_fields_the_client_used(body: dict[str, Any
 )
 def test_truncated_prompts_keep_the_clients_shape(prompt: Any, new: list[Any], written: Any) -> None:
     req = parse_completion({"prompt": prompt})
-    set_prompts(req, new)
-    assert req.body["prompt"] == written
+    sent, _ = engine_body(req, Plan(Booking(1, 1, 1), prompts=new))
+    assert sent["prompt"] == written and req.body["prompt"] == prompt

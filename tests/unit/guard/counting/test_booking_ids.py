@@ -10,11 +10,14 @@ import pytest
 
 from gateway.config import PromptOverflowPolicy, Settings
 from gateway.guard import planning
-from gateway.guard.context import Booking
+from gateway.guard.context import Plan
 from gateway.guard.counting import Counter, LocalCounter, RemoteCounter
+from gateway.guard.endpoints.base import GuardedRequest, engine_body
+from gateway.guard.endpoints.chat import parse_chat
+from gateway.guard.endpoints.completions import parse_completion
+from gateway.guard.endpoints.responses import parse_responses
 from gateway.guard.parts import Outcome
 from gateway.guard.policy import Limits
-from gateway.guard.protocol import GuardedRequest, parse_chat, parse_completion, parse_responses
 from gateway.metrics import Metrics
 from tests.unit.guard.counting.chats import U, reference_ids, turn
 
@@ -36,23 +39,24 @@ class GenerousAdmission:
 
 async def plan(
     counter: Counter, req: GuardedRequest, policy: PromptOverflowPolicy, max_model_len: int
-) -> tuple[Booking, Outcome]:
+) -> tuple[Plan, Outcome]:
     parts = SimpleNamespace(
         settings=Settings(), metrics=Metrics(), models=FakeModels(counter), admission=GenerousAdmission()
     )
     out = Outcome("r1")
-    booking = await planning.plan_generation(parts, req, Limits(max_model_len), policy, out)  # type: ignore[arg-type]
-    assert out.prompt_tokens >= booking.prompt_tokens
-    return booking, out
+    planned = await planning.plan_generation(parts, req, Limits(max_model_len), policy, out)  # type: ignore[arg-type]
+    assert out.prompt_tokens >= planned.booking.prompt_tokens
+    return planned, out
 
 
-def chat_ids(tok: Any, req: GuardedRequest) -> tuple[int, ...]:
-    assert req.conversation is not None
-    return reference_ids(tok, req.conversation)
+def chat_ids(tok: Any, req: GuardedRequest, sent: dict[str, Any]) -> tuple[int, ...]:
+    conversation = sent if req.route == "chat" else req.conversation  # a chat's body is its conversation
+    assert conversation is not None
+    return reference_ids(tok, conversation)
 
 
-def prompt_ids(tok: Any, req: GuardedRequest) -> tuple[int, ...]:
-    prompt = req.body["prompt"]
+def prompt_ids(tok: Any, req: GuardedRequest, sent: dict[str, Any]) -> tuple[int, ...]:
+    prompt = sent["prompt"]
     return tuple(prompt) if isinstance(prompt, list) else tuple(tok(prompt)["input_ids"])
 
 
@@ -82,12 +86,15 @@ async def test_a_booking_carries_the_ids_of_its_one_prompt_as_sent_upstream(
     body: dict[str, Any], policy: PromptOverflowPolicy, max_model_len: int, expected: Any,
 ) -> None:
     req = parse(dict(body))
-    booking, out = await plan(counter, req, policy, max_model_len)
+    planned, out = await plan(counter, req, policy, max_model_len)
+    booking = planned.booking
     assert (out.truncated_tokens > 0) == (policy == "truncate")
     if expected is None:
         assert booking.prompt_ids is None
         return
-    ids = expected(tokenizer, req)  # read from the request after planning: truncation rewrote it
+    sent, _ = engine_body(req, planned)
+    assert req.body == body  # the client's request stays as it came; truncation is written to the engine's body
+    ids = expected(tokenizer, req, sent)
     assert booking.prompt_ids == ids and booking.prompt_tokens == len(ids)
     assert policy == "reject" or len(ids) <= max_model_len - 8
 
@@ -99,5 +106,5 @@ async def test_a_chat_with_media_books_no_ids(tokenizer: Any) -> None:
     counter = LocalCounter(tokenizer, fallback=RemoteCounter(tokenize, "tiny"))
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
     req = parse_chat({"messages": [{"role": "user", "content": [image]}]})
-    booking, _ = await plan(counter, req, "reject", 4096)
-    assert (booking.prompt_tokens, booking.prompt_ids) == (12, None)
+    planned, _ = await plan(counter, req, "reject", 4096)
+    assert (planned.booking.prompt_tokens, planned.booking.prompt_ids) == (12, None)

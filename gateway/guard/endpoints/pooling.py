@@ -21,26 +21,24 @@ protocols (``entrypoints/pooling/*/protocol.py``):
   ``max_tokens_per_doc`` bound each text of a pair.
 
 Inputs the gateway cannot count (multimodal score inputs, plugin ``data``) are refused with a 400, and so are
-the fields ``fields`` refuses (every parser of ``PARSERS`` checks them first).
+the fields ``fields`` refuses (every parser checks them first).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from gateway.config import PromptOverflowPolicy
 from gateway.errors import ContextLengthExceeded, InvalidRequest
 from gateway.guard import fields
+from gateway.guard.endpoints.base import Endpoint, model_field
 from gateway.guard.policy import Limits
 from gateway.guard.prompts import flag, is_ids, is_int, json_type
-from gateway.guard.protocol import model_field
 
 if TYPE_CHECKING:
     from gateway.guard.counting import Counter
 
-PoolingRoute = Literal["embeddings", "pooling", "classify", "score", "rerank"]
 PROMPT_FIELDS = ("input", "messages")
 SCORE_FIELDS = (("text_1", "text_2"), ("queries", "documents"), ("queries", "items"), ("data_1", "data_2"))
 
@@ -72,9 +70,11 @@ class Pairs:
 Inputs = Texts | Chats | Pairs
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PoolingRequest:
-    route: PoolingRoute
+    """A pooling route's request as validated. ``body``: the client's, never edited."""
+
+    endpoint: Endpoint[PoolingRequest]
     body: dict[str, Any]
     model: str | None
     inputs: Inputs
@@ -82,27 +82,34 @@ class PoolingRequest:
     truncate_prompt_tokens: int | None = None
     pad_to_context: bool = False
 
+    @property
+    def route(self) -> str:
+        return self.endpoint.name
+
 
 # -- parsing ---------------------------------------------------------------------------------------
 def parse_embeddings(body: dict[str, Any]) -> PoolingRequest:
-    return _parse_encoding("embeddings", body, batches=True)
+    fields.check(EMBEDDINGS.name, body)
+    return _parse_encoding(EMBEDDINGS, body, batches=True)
 
 
 def parse_pooling(body: dict[str, Any]) -> PoolingRequest:
-    # An IO processor plugin's 'data' is refused with the other fields (fields.TABLE).
-    return _parse_encoding("pooling", body, batches=False)
+    fields.check(POOLING.name, body)  # an IO processor plugin's 'data' among them
+    return _parse_encoding(POOLING, body, batches=False)
 
 
 def parse_classify(body: dict[str, Any]) -> PoolingRequest:
-    return _parse_encoding("classify", body, batches=False)
+    fields.check(CLASSIFY.name, body)
+    return _parse_encoding(CLASSIFY, body, batches=False)
 
 
 def parse_score(body: dict[str, Any]) -> PoolingRequest:
+    fields.check(SCORE.name, body)
     named = [(a, b) for a, b in SCORE_FIELDS if body.get(a) is not None or body.get(b) is not None]
     whole = [(a, b) for a, b in named if body.get(a) is not None and body.get(b) is not None]
     if named:
         first, second = (whole or named)[0]
-        return _parse_pairs("score", body, first, second)
+        return _parse_pairs(SCORE, body, first, second)
     raise InvalidRequest(
         "A score request needs 'text_1' and 'text_2' (or 'queries' with 'documents' or 'items', or 'data_1' "
         "and 'data_2').",
@@ -111,31 +118,20 @@ def parse_score(body: dict[str, Any]) -> PoolingRequest:
 
 
 def parse_rerank(body: dict[str, Any]) -> PoolingRequest:
+    fields.check(RERANK.name, body)
     if isinstance(body.get("query"), list):
         raise InvalidRequest("'query' must be one string, not a list.", param="query")
-    return _parse_pairs("rerank", body, "query", "documents")
+    return _parse_pairs(RERANK, body, "query", "documents")
 
 
-def _checked(route: PoolingRoute, parse: Callable[[dict[str, Any]], PoolingRequest]) -> Callable[
-    [dict[str, Any]], PoolingRequest
-]:
-    def parse_checked(body: dict[str, Any]) -> PoolingRequest:
-        fields.check(route, body)
-        return parse(body)
-
-    return parse_checked
+EMBEDDINGS = Endpoint("embeddings", ("/v1/embeddings",), "pooling", parse_embeddings)
+POOLING = Endpoint("pooling", ("/pooling",), "pooling", parse_pooling)
+CLASSIFY = Endpoint("classify", ("/classify",), "pooling", parse_classify)
+SCORE = Endpoint("score", ("/score", "/v1/score"), "pooling", parse_score)
+RERANK = Endpoint("rerank", ("/rerank", "/v1/rerank", "/v2/rerank"), "pooling", parse_rerank)
 
 
-PARSERS: dict[str, Callable[[dict[str, Any]], PoolingRequest]] = {
-    "embeddings": _checked("embeddings", parse_embeddings),
-    "pooling": _checked("pooling", parse_pooling),
-    "classify": _checked("classify", parse_classify),
-    "score": _checked("score", parse_score),
-    "rerank": _checked("rerank", parse_rerank),
-}
-
-
-def _parse_encoding(route: PoolingRoute, body: dict[str, Any], *, batches: bool) -> PoolingRequest:
+def _parse_encoding(endpoint: Endpoint[PoolingRequest], body: dict[str, Any], *, batches: bool) -> PoolingRequest:
     messages, raw = body.get("messages"), body.get("input")
     if messages is not None and raw is not None:
         raise InvalidRequest("Send either 'input' or 'messages', not both.", param="messages")
@@ -158,10 +154,10 @@ def _parse_encoding(route: PoolingRoute, body: dict[str, Any], *, batches: bool)
         prompts = _prompt_list(raw)
         params = ["input"] if not isinstance(raw, list) or is_ids(raw) else [f"input[{i}]" for i in range(len(raw))]
         inputs = Texts(prompts, flag(body, "add_special_tokens", True))
-    return PoolingRequest(route, body, model_field(body), inputs, params, *_length_options(body))
+    return PoolingRequest(endpoint, body, model_field(body), inputs, params, *_length_options(body))
 
 
-def _parse_pairs(route: PoolingRoute, body: dict[str, Any], first: str, second: str) -> PoolingRequest:
+def _parse_pairs(endpoint: Endpoint[PoolingRequest], body: dict[str, Any], first: str, second: str) -> PoolingRequest:
     firsts, seconds = _texts(body.get(first), first), _texts(body.get(second), second)
     if len(firsts) > 1 and len(firsts) != len(seconds):
         raise InvalidRequest(
@@ -174,7 +170,7 @@ def _parse_pairs(route: PoolingRoute, body: dict[str, Any], first: str, second: 
     params = [second if len(seconds) == 1 and not isinstance(body.get(second), list) else f"{second}[{i}]"
               for i in range(len(seconds))]  # fmt: skip
     inputs = Pairs(list(zip(firsts, seconds, strict=True)), *bounds)
-    return PoolingRequest(route, body, model_field(body), inputs, params, *_length_options(body))
+    return PoolingRequest(endpoint, body, model_field(body), inputs, params, *_length_options(body))
 
 
 def _chat_body(body: dict[str, Any], conversation: list[Any]) -> dict[str, Any]:
@@ -254,8 +250,9 @@ async def count(counter: Counter, inputs: Inputs) -> list[int]:
 
 def fit_context(
     req: PoolingRequest, counts: list[int], limits: Limits, policy: PromptOverflowPolicy, engine_max_model_len: int
-) -> tuple[list[int], int]:
-    """The prompts' lengths as the engine will run them, and the tokens cut by truncation.
+) -> tuple[list[int], int, int | None]:
+    """The prompts' lengths as the engine will run them, the tokens cut by truncation, and the
+    ``truncate_prompt_tokens`` the engine is to be sent in place of the client's (None: the client's stands).
 
     Every prompt must fit the context (a pooling prompt may fill it: nothing is generated). Over it, the
     ``reject`` policy answers 400; ``truncate`` asks the engine to cut each prompt to the limit (vLLM's own
@@ -271,16 +268,16 @@ def fit_context(
         limits.max_model_len, limits.max_prompt_tokens
     )
     lengths = [_engine_length(c, truncate, req.pad_to_context, engine_max_model_len) for c in counts]
-    cut = 0
+    cut, sent = 0, None
     engine_cuts_enough = truncate is not None and 0 <= truncate <= cap
     if policy == "truncate" and any(n > cap for n in lengths) and not engine_cuts_enough:
-        req.truncate_prompt_tokens = req.body["truncate_prompt_tokens"] = cap
+        sent = cap
         cut = sum(max(0, n - cap) for n in lengths)
         lengths = [_engine_length(c, cap, req.pad_to_context, engine_max_model_len) for c in counts]
     for n, where in zip(lengths, req.params, strict=True):
         if n > cap:
             raise ContextLengthExceeded(_too_long(n, where, limits, cap), param=where)
-    return lengths, cut
+    return lengths, cut, sent
 
 
 def _engine_length(tokens: int, truncate: int | None, pad: bool, engine_max_model_len: int) -> int:

@@ -1,4 +1,5 @@
-"""OpenAI's Responses API (``POST /v1/responses``): the chat request vLLM 0.32 renders for one, to count it.
+"""OpenAI's Responses API (``POST /v1/responses``): its request, and the chat request vLLM 0.32 renders for one,
+to count it.
 
 vLLM does not tokenize a Responses request on its own terms: it turns ``instructions`` and ``input`` into
 chat messages (``entrypoints/openai/responses/utils.py``: ``construct_input_messages``), its function tools
@@ -34,6 +35,9 @@ from typing import Any
 
 from gateway.config import PromptOverflowPolicy
 from gateway.errors import ContextLengthExceeded, InvalidRequest, UnsupportedField
+from gateway.guard import fields
+from gateway.guard.endpoints.base import Endpoint, GuardedRequest, model_field, output_bound
+from gateway.guard.fields import BACKGROUND, STATEFUL_FIELDS
 from gateway.guard.policy import Limits
 from gateway.guard.prompts import json_type
 
@@ -49,21 +53,22 @@ _NAMESPACE_SEPARATOR = "__"
 _MESSAGE_ROLES = ("user", "assistant", "system", "developer")
 _CONTINUED = ("in_progress", "incomplete")
 
-# field -> why the gateway cannot count a request that uses it (``fields`` refuses them with these reasons)
-STATEFUL_FIELDS: dict[str, str] = {
-    "previous_response_id": "it continues a conversation stored in the engine, whose tokens the gateway "
-    "cannot see; send the whole conversation in 'input' instead",
-    "conversation": "it continues a stored conversation, whose tokens the gateway cannot see; send the whole "
-    "conversation in 'input' instead",
-    "prompt": "it refers to a stored prompt template, which the gateway cannot render; send the prompt in "
-    "'instructions' and 'input' instead",
-    "previous_input_messages": "it carries engine-side (Harmony) message history, which the gateway cannot "
-    "render; send the conversation in 'input' instead",
-}
-BACKGROUND = (
-    "a background response keeps generating after the request returns, beyond the KV blocks the gateway books "
-    "for it. Send it without 'background' (stream it if it is long)"
-)
+
+def parse_responses(body: dict[str, Any]) -> GuardedRequest:
+    """One generation from ``instructions`` and ``input``, counted as the chat request vLLM renders for it."""
+    refuse_stateful(body)
+    fields.check(RESPONSES.name, body)
+    conversation = chat_request(body)
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest(f"'stream' must be a boolean, not {json_type(stream)}.", param="stream")
+    truncation = body.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise InvalidRequest(f"'truncation' must be 'auto' or 'disabled'; got {truncation!r}.", param="truncation")
+    return GuardedRequest(
+        endpoint=RESPONSES, body=body, model=model_field(body), stream=bool(stream), n=1,
+        max_tokens=output_bound(body, RESPONSES.bound_fields), conversation=conversation,
+    )
 
 
 def refuse_stateful(body: dict[str, Any]) -> None:
@@ -97,6 +102,12 @@ def check_fits(prompt_tokens: int, limits: Limits, policy: PromptOverflowPolicy)
         f"output. Shorten 'input' or 'instructions'.{why}",
         param="input",
     )
+
+
+RESPONSES = Endpoint(
+    "responses", ("/v1/responses",), "generating", parse_responses, bound="max_output_tokens",
+    bound_fields=("max_output_tokens",), prompt_field="input", min_tokens=False, fits=check_fits,
+)
 
 
 def chat_request(body: dict[str, Any]) -> dict[str, Any]:
