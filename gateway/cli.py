@@ -138,7 +138,7 @@ def serve(settings: Settings) -> int:
 
     access = install_logging(settings)
     plan = WorkerPlan.for_settings(settings)  # --workers: this process is the admission authority
-    server = build_server(create_app(settings, plan), settings, serving=True)
+    server = build_server(create_app(settings, plan), settings)
     try:
         with contextlib.suppress(KeyboardInterrupt):
             server.run(sockets=sockets_for(settings, plan))

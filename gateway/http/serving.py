@@ -16,7 +16,6 @@ from gateway.config import Settings
 from gateway.http.limits import ConnectionLimits
 from gateway.http.server import GuardProtocol
 from gateway.http.workers import WorkerPlan
-from gateway.observe import heap
 
 
 def protocol_class(limits: ConnectionLimits) -> type[GuardProtocol]:
@@ -45,21 +44,8 @@ def server_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn
     return uvicorn.Config(app, **options)
 
 
-class Server(uvicorn.Server):
-    """uvicorn's server; a serving process's once it has started: the start-up heap is then frozen
-    (``observe.heap.settle``), after the app's lifespan has built the parts and before the first request."""
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if not self.should_exit:
-            heap.settle()
-
-
-def build_server(app: ASGIApp, settings: Settings, *, serving: bool = False, **overrides: Any) -> uvicorn.Server:
-    """``serving``: the server of a process that serves until it exits (``vllm-guard serve``, a worker), whose
-    start-up heap is frozen; a test's gateway is not."""
-    config = server_config(app, settings, **overrides)
-    return Server(config) if serving else uvicorn.Server(config)
+def build_server(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Server:
+    return uvicorn.Server(server_config(app, settings, **overrides))
 
 
 def listening_socket(settings: Settings, *, shared: bool) -> socket.socket:

@@ -142,7 +142,7 @@ async def run(settings: Settings, channel: str, private: str) -> None:
         app = GuardedFastPath(forward, RouteTable(settings.passthrough_route), HeldBytes(
             settings.max_total_buffered_bytes
         ))
-        server = build_server(app, settings, serving=True, lifespan="off")
+        server = build_server(app, settings, lifespan="off")
         sock = listening_socket(settings, shared=True)  # bound only now: no connection waits for the start-up
 
         async def orphaned() -> None:
