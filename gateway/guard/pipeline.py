@@ -50,7 +50,7 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
             refuse_while_starting(parts)
             refuse_while_unready(parts)  # 503 at once while /health says no engine is ready
             limits, engine_max_model_len = await engine_limits(parts, req)
-        trace.set(request_attributes(req))
+        trace.set_attributes(request_attributes(req))
         with trace.stage("count"):
             if isinstance(req, PoolingRequest):
                 plan = await planning.plan_pooling(
@@ -58,7 +58,7 @@ async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, Non
                 )
             else:
                 plan = await planning.plan_generation(parts, req, limits, ctx.prompt_policy, ctx.outcome)
-        trace.set(plan_attributes(req, ctx.outcome))
+        trace.set_attributes(plan_attributes(req, ctx.outcome))
         booking = plan.booking
         with trace.stage("tenant"):
             grant = await check_tenant_limits(parts, ctx, booking)
@@ -252,7 +252,7 @@ def engine_attributes(reservation: Held) -> dict[str, AttrValue]:
 def finish_trace(ctx: RequestContext) -> None:
     """The request's span ends with what it cost: queued, placed, generated (the engine's own count)."""
     out = ctx.outcome
-    ctx.trace.set({
+    ctx.trace.set_attributes({
         "vllm_guard.queue_ms": round(out.queue_ms, 1), "vllm_guard.engine": out.engine,
         "gen_ai.usage.output_tokens": out.completion_tokens,
     })

@@ -1,7 +1,7 @@
 """One guarded request's access-log line in the making (``gateway/observe/access_log.py`` writes it).
 
-The relay begins an ``AccessEntry`` as a request arrives, tells it what it learns (the context, a refusal, a
-stream's first event) and finishes it exactly once, on whichever way the request ends: answered, refused,
+The relay begins an ``AccessEntry`` as a request arrives, tells it what it learns (the context, as ``ctx``; a
+refusal; a stream's first event) and finishes it exactly once, on whichever way the request ends: answered, refused,
 failed upstream, its client gone before the answer or in the middle of a stream. Only guarded routes are logged:
 the pass-through and gateway routes (``/metrics``, ``/health`` and the like) are scraped and probed every few
 seconds and would bury the requests that matter.
@@ -48,10 +48,8 @@ class AccessEntry:
         "_log",
         "_started",
         "_time",
-        "asked",
         "ctx",
         "error",
-        "model",
         "request_id",
         "route",
     )
@@ -62,19 +60,11 @@ class AccessEntry:
         self._time = time.time()
         self._headers = headers
         self.route, self.request_id = route, request_id
+        # The request as read; its body is the client's, never edited on the way (the engine is sent a copy).
         self.ctx: RequestContext | None = None
-        self.model: str | None = None
-        self.asked: int | None = None
         self.error: GatewayError | None = None
         self._first_event: float | None = None
         self._done = not log.on  # off: nothing to write, nothing more to note
-
-    def context(self, ctx: RequestContext) -> None:
-        """The request as read, before the pipeline rewrites its body (``max_tokens`` clamped)."""
-        self.ctx = ctx
-        model = ctx.body.get("model")
-        self.model = model if isinstance(model, str) else None
-        self.asked = asked_max_tokens(ctx.body)
 
     def first_event(self, at: float | None = None) -> None:
         """The stream's first event was written ``at`` (perf_counter; now when not given)."""
@@ -92,12 +82,14 @@ class AccessEntry:
         ctx = self.ctx
         out = ctx.outcome if ctx is not None else None
         counted = out is not None and out.prompt_tokens > 0
+        model = ctx.body.get("model") if ctx is not None else None
         self._log.write(AccessRecord(
             time=self._time, request_id=self.request_id, tenant=ctx.tenant if ctx is not None else None,
-            route=self.route, model=self.model, status=status, outcome=outcome,
+            route=self.route, model=model if isinstance(model, str) else None, status=status, outcome=outcome,
             reason=error.reason or error.code if error is not None else None,
             prompt_tokens=out.prompt_tokens if counted and out is not None else None,
-            max_tokens_asked=self.asked, max_tokens=out.max_tokens if counted and out is not None else None,
+            max_tokens_asked=asked_max_tokens(ctx.body) if ctx is not None else None,
+            max_tokens=out.max_tokens if counted and out is not None else None,
             truncated_tokens=out.truncated_tokens if counted and out is not None else None,
             queue_ms=out.queue_ms if out is not None and out.engine is not None else None,
             engine=out.engine if out is not None else None,

@@ -63,7 +63,7 @@ async def _serve(
         # Gone while sending its body: nothing was reserved or sent upstream, and it is no error of ours.
         parts.metrics.record_request(route, "cancelled")
         return Response(status_code=499)
-    entry.context(ctx)
+    entry.ctx = ctx
     answer = pipeline.handle(parts, ctx)
     watcher = DisconnectWatcher(request)
     watcher.start()

@@ -108,7 +108,7 @@ class OtelRequestTrace(RequestTrace):
             self._open.remove(stage)
             stage[0].end()
 
-    def set(self, attributes: Mapping[str, AttrValue | None]) -> None:
+    def set_attributes(self, attributes: Mapping[str, AttrValue | None]) -> None:
         # Every text clipped (gateway/clip.py): a model name is the client's, up to the body limit in size.
         self._span.set_attributes({k: bounded(v) for k, v in attributes.items() if v is not None})
         model = attributes.get("gen_ai.request.model")
@@ -151,7 +151,9 @@ class OtelRequestTrace(RequestTrace):
             if isinstance(data, dict):
                 self._usage(data.get("usage"))
                 self._finish_reasons([c.get("finish_reason") for c in _choices(data)])
-                self.set({"gen_ai.response.id": _str(data.get("id")), "gen_ai.response.model": _str(data.get("model"))})
+                self.set_attributes({
+                    "gen_ai.response.id": _str(data.get("id")), "gen_ai.response.model": _str(data.get("model")),
+                })
 
     def stream_events(self, events: list[bytes]) -> None:
         for event in events:
@@ -194,7 +196,7 @@ class OtelRequestTrace(RequestTrace):
 
     def _usage(self, usage: object) -> None:
         if isinstance(usage, dict):
-            self.set({
+            self.set_attributes({
                 "gen_ai.usage.input_tokens": _int(usage.get("prompt_tokens", usage.get("input_tokens"))),
                 "gen_ai.usage.output_tokens": _int(usage.get("completion_tokens", usage.get("output_tokens"))),
             })

@@ -2,7 +2,7 @@
 vLLM (``--otlp-traces-endpoint``).
 
 The pipeline calls small hooks on the request's ``RequestTrace``: a named stage (``stage``: parse, count,
-tenant, exchange), the attributes it learned (``set``), admission and its wait in the queue (``admitting``,
+tenant, exchange), the attributes it learned (``set_attributes``), admission and its wait in the queue (``admitting``,
 ``admitted``), the headers that carry the trace to the engine (``headers``), the engine's answer (``answer``,
 ``stream``), a failure (``fail``), the end (``end``). This module holds the no-op versions, used when tracing is
 off: each hook costs one method call, and the OpenTelemetry SDK is never imported. With an endpoint,
@@ -53,7 +53,7 @@ class RequestTrace:
         one shared no-op context, not a generator per stage."""
         return _NO_STAGE
 
-    def set(self, attributes: Mapping[str, AttrValue | None]) -> None:
+    def set_attributes(self, attributes: Mapping[str, AttrValue | None]) -> None:
         """Attributes of the request's span (None values are left out)."""
 
     def admitting(self) -> None:

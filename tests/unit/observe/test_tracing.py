@@ -60,7 +60,7 @@ async def test_without_an_endpoint_every_hook_is_a_no_op() -> None:
     trace = tracing.start("chat", {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
     assert trace is OFF
     with trace.stage("parse"):
-        trace.set({"gen_ai.request.model": "m"})
+        trace.set_attributes({"gen_ai.request.model": "m"})
     assert trace.headers() == {}
 
     trace.stream_events([b"data: {}\n\n"])  # one method call per batch of events, nothing more
@@ -167,7 +167,7 @@ def test_a_request_span_has_a_child_per_stage_and_queue_wait_inside_admission(
     assert isinstance(trace, OtelRequestTrace)
     with trace.stage("parse"):
         pass
-    trace.set({"gen_ai.request.model": "tiny", "gen_ai.request.max_tokens": None})
+    trace.set_attributes({"gen_ai.request.model": "tiny", "gen_ai.request.max_tokens": None})
     trace.admitting()
     clock.ns += 20_000_000  # 20 ms in admission, 12.5 of them queued
     trace.admitted(12.5)
