@@ -50,7 +50,7 @@ class BufferSink:
     __slots__ = ("_chunks", "_ended", "_error", "_size", "_waiter", "exchange")
 
     def __init__(self, exchange: Exchange) -> None:
-        self.exchange = exchange
+        self.exchange: Exchange | None = exchange  # None once the body has ended: see ``end``
         self._chunks: collections.deque[bytes] = collections.deque()
         self._size = 0
         self._ended = False
@@ -60,12 +60,15 @@ class BufferSink:
     def body(self, data: bytes) -> None:
         self._chunks.append(data)
         self._size += len(data)
-        if self._size > PAUSE_AT:
+        if self._size > PAUSE_AT and self.exchange is not None:
             self.exchange.pause()
         self._wake()
 
     def end(self, error: GatewayError | None) -> None:
         self._ended, self._error = True, error
+        # Nothing follows the end, so the exchange is let go: the two referring to each other were a cycle
+        # that only the cyclic collector freed (with the exchange's future and headers), every request.
+        self.exchange = None
         self._wake()
 
     def _wake(self) -> None:
@@ -87,7 +90,7 @@ class BufferSink:
                 self._waiter = None
         data = self._chunks.popleft()
         self._size -= len(data)
-        if self._size <= PAUSE_AT // 2:
+        if self._size <= PAUSE_AT // 2 and self.exchange is not None:
             self.exchange.resume()
         return data
 
