@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 # (stage, function name, a piece of its file's path) from the root down, inside the pipeline.
 PIPELINE = "handle (gateway/guard/pipeline.py"
-EXCHANGE = "exchange_with_engine (gateway/guard/pipeline.py"
+EXCHANGE = "exchange_with_engine (gateway/guard/exchange.py"
 PIPELINE_STAGES: tuple[tuple[str, str, str], ...] = (
     ("parse and validate", "parse_", "gateway/guard/endpoints/"),
     ("parse and validate", "engine_limits ", "gateway/guard/pipeline.py"),

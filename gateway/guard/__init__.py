@@ -9,13 +9,13 @@ __all__ = [
     "context",  # RequestContext, Reply, Booking, Plan: one request's state between the stages
     "counting",  # exact prompt token counts, as vLLM computes them
     "endpoints",  # one module per guarded endpoint (its request, its validation) and the table of them
+    "exchange",  # the exchange with the engine: a whole answer, or an EngineStream relayed event by event
     "models",  # Models: the engine's served models with the tokenizer
     "parts",  # Parts, Outcome
     "pipeline",  # handle: the request path
+    "planning",  # the Plan of a request: what it books, what the engine is sent
     "policy",  # the limits in force, the prompt policy
     "prompts",  # the prompts of each request family
-    "planning",  # the Plan of a request: what it books, what the engine is sent
     "seams",  # the Protocols the request path is written against
     "status",  # the engines' state, as /health and /guard/status report it
-    "stream",  # EngineStream: one relayed stream
 ]

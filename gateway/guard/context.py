@@ -17,7 +17,7 @@ from gateway.guard.prompts import Prompt
 from gateway.observe.tracing import OFF, RequestTrace
 
 if TYPE_CHECKING:
-    from gateway.guard.stream import EngineStream
+    from gateway.guard.exchange import EngineStream
 
 
 @dataclass(slots=True)

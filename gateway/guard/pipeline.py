@@ -21,7 +21,6 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator
 
-from gateway.engine.sse import require_event_stream
 from gateway.engine.usage import EVERYTHING, UsageAsk
 from gateway.engine.vllm_api import ModelList
 from gateway.errors import GatewayError, UpstreamError, UpstreamLost, UpstreamUnavailable
@@ -33,7 +32,6 @@ from gateway.guard.endpoints.table import parse
 from gateway.guard.parts import Outcome, Parts
 from gateway.guard.policy import Limits, effective_max_model_len
 from gateway.guard.seams import Granted, Held
-from gateway.guard.stream import EngineStream
 from gateway.managed.lifecycle import EngineLifecycle
 from gateway.managed.logfacts import engine_death_reply
 from gateway.observe.tracing import AttrValue
@@ -150,8 +148,10 @@ async def admit_and_exchange(
                 ctx.outcome.queue_ms += waited_ms
                 ctx.trace.admitted(waited_ms)
                 with ctx.trace.stage("exchange", engine_attributes(reservation)):
-                    async with contextlib.aclosing(exchange_with_engine(
-                        parts, ctx, body, booking, reservation, ask, resend=attempt == 1
+                    # The engine joins the trace: under this exchange span, or (tracing off) the client's own.
+                    trace = ctx.trace.headers() or ctx.trace_carrier
+                    async with contextlib.aclosing(exchange.exchange_with_engine(
+                        parts, ctx, body, booking, reservation, ask, trace=trace, resend=attempt == 1
                     )) as pieces:
                         async for piece in pieces:
                             answered = True
@@ -179,47 +179,6 @@ async def admit_and_exchange(
                 # Until the supervisor has seen the death, a retry would hit the dead engine.
                 await parts.supervisor.failure_noticed()
     raise AssertionError("unreachable: the second attempt returns or raises")
-
-
-async def exchange_with_engine(
-    parts: Parts, ctx: RequestContext, body: bytes, booking: Booking, reservation: Held,
-    ask: UsageAsk = EVERYTHING, *, resend: bool = True,
-) -> AsyncGenerator[Reply, None]:
-    """Forward and read the answer whole, or open the stream and hand its events to the HTTP layer, holding
-    the reservation until the HTTP layer closes this generator. Upstream errors raised here come before
-    anything was sent to the client (they may be retried); a stream's own break comes while the HTTP layer
-    reads its events, and is the HTTP layer's to write as an error event."""
-    target = reservation.target
-    engine = parts.engine_at(target.engine) if target is not None else parts.engine
-    rank = target.rank if target is not None else None
-    ctx.outcome.engine = target.name if target is not None else None
-    # The engine joins the trace: under the gateway's exchange span, or (tracing off) under the client's own.
-    trace = ctx.trace.headers() or ctx.trace_carrier
-    patience = ctx.deadline if ctx.deadline is not None else parts.settings.queue_timeout
-    stream = await exchange.open_upstream(
-        parts, engine, ctx.path, body, ctx.request_id, rank, trace, patience, resend=resend
-    )
-    if not booking.stream:
-        learner = reservation if booking.learns_output else None
-        payload = await exchange.read_answer(parts, engine, ctx.route, stream, learner)
-        ctx.trace.answer(payload)
-        ctx.outcome.output = learner
-        # The engine is done with it: free the blocks before the answer is written to the client.
-        reservation.release(completed=booking.learns_output)
-        yield Reply(ctx.outcome.headers(), payload)
-        return
-    try:
-        require_event_stream(stream)
-    except GatewayError:
-        exchange.close(parts, engine, stream)
-        raise
-    relay = EngineStream(parts, engine, ctx.route, stream, reservation, ask)
-    ctx.outcome.output = reservation  # counts the stream's tokens as they are relayed
-    try:
-        headers = {**ctx.outcome.headers(), "cache-control": "no-cache", "x-accel-buffering": "no"}
-        yield Reply(headers, stream=relay)
-    finally:
-        relay.finish()
 
 
 # -- small stages ---------------------------------------------------------------------------------

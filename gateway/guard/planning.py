@@ -15,17 +15,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.config import PromptOverflowPolicy, Settings
+from gateway.config import PromptOverflowPolicy
 from gateway.engine.vllm_api import reading
 from gateway.errors import KVBudgetExceeded, MaxTokensExceeded
 from gateway.guard import offload
 from gateway.guard.context import Booking, Plan
-from gateway.guard.counting import Counter, PromptTokens
+from gateway.guard.counting import PromptTokens
 from gateway.guard.endpoints import pooling
 from gateway.guard.endpoints.base import GuardedRequest
 from gateway.guard.endpoints.pooling import PoolingRequest
 from gateway.guard.parts import Outcome, Parts
-from gateway.guard.policy import Limits, MaxTokensDecision, PromptDecision, decide_max_tokens, decide_prompt
+from gateway.guard.policy import Limits, PromptDecision, decide_max_tokens, decide_prompt
 from gateway.guard.prefixes import prompt_prefix
 from gateway.guard.prompts import Prompt
 from gateway.guard.seams import Admitting
@@ -46,9 +46,16 @@ async def plan_generation(
     prompt_ids = tokens[0].ids if sizes.number == 1 else None
     await offload.release(tokens)
     out.prompt_tokens = sizes.total
-    decision = decide_output(req, sizes.longest, limits, s)
     sequences = req.n * sizes.number
     prefix = prompt_prefix(req.endpoint, req.body, prompt_ids)
+    bound = req.endpoint.bound
+    try:
+        decision = decide_max_tokens(sizes.longest, req.max_tokens, limits, s.on_max_tokens_overflow)
+    except MaxTokensExceeded as exc:
+        if bound == "max_tokens":
+            raise
+        # The same bound under the endpoint's own name for it (the Responses API's max_output_tokens).
+        raise MaxTokensExceeded(exc.message.replace("max_tokens", bound), param=bound) from None
     # Each sequence is charged for the longest prompt: an upper bound that stays tight. With prefix sharing the
     # n sequences of one known prompt hold its shareable blocks once.
     max_tokens = parts.admission.fit(
@@ -128,13 +135,24 @@ async def apply_prompt_policy(
     messages: list[dict[str, Any]] | None = None
     prompts: list[Prompt] | None = None
     if req.conversation is not None:
-        cut = await counter.truncate_chat(req.body, decisions[0].budget)
-        messages = cut.messages
-        out.truncated_tokens = cut.removed_tokens
+        chat = await counter.truncate_chat(req.body, decisions[0].budget)
+        messages = chat.messages
+        out.truncated_tokens = chat.removed_tokens
         # Truncation counts; the ids are those of the chat as cut, re-tokenized (mostly from the piece cache).
         new_tokens = [await counter.tokenize_chat({**req.body, "messages": messages})]
     else:
-        new_tokens, prompts = await _truncate_prompts(counter, req, tokens, decisions, out)
+        # Each prompt that does not fit is cut to its budget and re-tokenized for its ids.
+        add_special_tokens = _adds_special_tokens(req)
+        prompts, new_tokens = [], []
+        for prompt, t, d in zip(req.prompts, tokens, decisions, strict=True):
+            if d.fits:
+                prompts.append(prompt)
+                new_tokens.append(t)
+                continue
+            cut = await counter.truncate_prompt(prompt, d.budget, add_special_tokens=add_special_tokens)
+            out.truncated_tokens += cut.removed_tokens
+            prompts.append(cut.prompt)
+            new_tokens += await counter.tokenize_prompts(cut.prompt, add_special_tokens=add_special_tokens)
     parts.metrics.record_truncation(req.route, out.truncated_tokens)
     return new_tokens, messages, prompts
 
@@ -147,36 +165,6 @@ def _decide_prompts(
     decisions = [decide_prompt(t.count, limits, policy, max_tokens, subject) for t in tokens]
     fit = all(d.fits for d in decisions)
     return ([] if fit else decisions), fit
-
-
-async def _truncate_prompts(
-    counter: Counter, req: GuardedRequest, tokens: list[PromptTokens], decisions: list[PromptDecision], out: Outcome
-) -> tuple[list[PromptTokens], list[Prompt]]:
-    """Cut each prompt that does not fit to its budget; a cut prompt is re-tokenized for its ids."""
-    add_special_tokens = _adds_special_tokens(req)
-    prompts: list[Prompt] = []
-    new_tokens: list[PromptTokens] = []
-    for prompt, t, d in zip(req.prompts, tokens, decisions, strict=True):
-        if d.fits:
-            prompts.append(prompt)
-            new_tokens.append(t)
-            continue
-        cut = await counter.truncate_prompt(prompt, d.budget, add_special_tokens=add_special_tokens)
-        out.truncated_tokens += cut.removed_tokens
-        prompts.append(cut.prompt)
-        new_tokens += await counter.tokenize_prompts(cut.prompt, add_special_tokens=add_special_tokens)
-    return new_tokens, prompts
-
-
-def decide_output(req: GuardedRequest, prompt_tokens: int, limits: Limits, s: Settings) -> MaxTokensDecision:
-    try:
-        return decide_max_tokens(prompt_tokens, req.max_tokens, limits, s.on_max_tokens_overflow)
-    except MaxTokensExceeded as exc:
-        bound = req.endpoint.bound
-        if bound == "max_tokens":
-            raise
-        # The same bound under the endpoint's own name for it (the Responses API's max_output_tokens).
-        raise MaxTokensExceeded(exc.message.replace("max_tokens", bound), param=bound) from None
 
 
 # -- pooling routes -------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ from gateway.config_http import MAX_BUFFERED_BYTES
 from gateway.errors import GatewayError
 from gateway.guard import pipeline
 from gateway.guard.context import Reply
+from gateway.guard.exchange import EngineStream
 from gateway.guard.parts import Parts
-from gateway.guard.stream import EngineStream
 from gateway.http.access import AccessEntry
 from gateway.http.body import DisconnectWatcher
 from gateway.http.context import read_context, request_id
@@ -93,7 +93,7 @@ async def _serve(
 
 
 class StreamAnswer(Response):
-    """A guarded stream's answer: its head, then its events as the engine sends them (``guard/stream.py``), an
+    """A guarded stream's answer: its head, then its events as the engine sends them (``guard/exchange.py``), an
     error after the last whole event as error events of their own, then the stream's end. The events go
     straight to the client's transport (``stream_out.DirectOut``) under the gateway's own server, else through
     ASGI's ``send`` from a writer task. The pipeline is closed (the reservation was freed at the engine's end

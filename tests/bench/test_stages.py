@@ -25,7 +25,7 @@ ADMIT = [*PIPELINE, "admit_and_exchange (gateway/guard/pipeline.py:150)"]
      "count and plan"),
     ([*ADMIT, "Grant._admit (gateway/tenants/grant.py:40)", "Admission.enter (gateway/admission/controller.py:9)"],
      "admission: reserve and release"),
-    ([*ADMIT, "exchange_with_engine (gateway/guard/pipeline.py:190)", "Upstream.open (gateway/engine/client.py:5)"],
+    ([*ADMIT, "exchange_with_engine (gateway/guard/exchange.py:60)", "Upstream.open (gateway/engine/client.py:5)"],
      "exchange with the engine"),
     ([*PIPELINE, "dumps (gateway/guard/offload.py:84)"], "the engine's body"),
     ([*ROOT, "LocalCounter._run (gateway/guard/counting/local.py:90)", "render (jinja2/environment.py:1)"],

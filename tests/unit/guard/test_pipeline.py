@@ -11,7 +11,7 @@ from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.engine.vllm_api import ModelList, ServedModel
 from gateway.errors import UpstreamUnavailable
-from gateway.guard import pipeline
+from gateway.guard import exchange, pipeline
 from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
 from gateway.http.relay import StreamAnswer
@@ -25,7 +25,7 @@ async def started_stream() -> tuple[StreamAnswer, FakeStream, FakeReservation, P
     stream, reservation = FakeStream([b"data: {}\n\n"]), FakeReservation()
     parts = Parts(Settings(), Metrics(), Engine(FakeUpstream(stream), None, None), None)  # type: ignore[arg-type]
     ctx = RequestContext("r1", "chat", "/v1/chat/completions", {})
-    answer = pipeline.exchange_with_engine(
+    answer = exchange.exchange_with_engine(
         parts, ctx, b"{}", Booking(1, 1, 1, stream=True), reservation  # type: ignore[arg-type]
     )
     head = await anext(answer)

@@ -16,7 +16,7 @@ from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.engine.sse import PartialEvent, SSEFramer
 from gateway.errors import BadUpstreamResponse, UpstreamUnavailable
-from gateway.guard import pipeline
+from gateway.guard import exchange
 from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
 from gateway.http.relay import StreamAnswer
@@ -112,7 +112,7 @@ def fake_parts(stream: FakeStream) -> Parts:
 def stream_answer(parts: Parts, reservation: FakeReservation) -> AsyncGenerator[Reply, None]:
     ctx = RequestContext("r1", "chat", "/v1/chat/completions", {})
     booking = Booking(prompt_tokens=1, max_tokens=1, n=1, stream=True)
-    return pipeline.exchange_with_engine(parts, ctx, b"{}", booking, reservation)  # type: ignore[arg-type]
+    return exchange.exchange_with_engine(parts, ctx, b"{}", booking, reservation)  # type: ignore[arg-type]
 
 
 async def written(response: StreamAnswer) -> list[bytes]:

@@ -15,7 +15,7 @@ import orjson
 from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.errors import GatewayError, UpstreamUnavailable
-from gateway.guard import pipeline
+from gateway.guard import exchange
 from gateway.guard.context import Booking, Reply, RequestContext
 from gateway.guard.parts import Parts
 from gateway.http.relay import StreamAnswer
@@ -58,7 +58,7 @@ async def started(
     reservation = FakeReservation()
     parts = Parts(Settings(), Metrics(), Engine(FakeUpstream(stream), None, None), None)  # type: ignore[arg-type]
     ctx = RequestContext("r1", "chat", "/v1/chat/completions", {})
-    answer: AsyncGenerator[Reply, None] = pipeline.exchange_with_engine(
+    answer: AsyncGenerator[Reply, None] = exchange.exchange_with_engine(
         parts, ctx, b"{}", Booking(1, 1, 1, stream=True), reservation  # type: ignore[arg-type]
     )
     head = await anext(answer)
