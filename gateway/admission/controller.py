@@ -20,7 +20,7 @@ from functools import partial
 from typing import Any
 
 from gateway import errors
-from gateway.admission import order, refusals, report
+from gateway.admission import lateness, order, refusals, report
 from gateway.admission.deadlines import Deadlines
 from gateway.admission.forecast import Forecast
 from gateway.admission.gauges import LoadGauges
@@ -168,8 +168,7 @@ class Admission:
     async def wait_idle(self, timeout: float) -> bool:
         if not self._in_flight:
             return True
-        idle = asyncio.ensure_future(self._idle.wait())
-        timer = asyncio.ensure_future(self._sleep(timeout))
+        idle, timer = asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._sleep(timeout))
         try:
             await asyncio.wait({idle, timer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -246,7 +245,7 @@ class Admission:
             raise
 
     def first_token(self, r: Reservation, seconds: float) -> None:
-        self._deadlines.first_tokens.add(seconds, queued=r.waited)
+        self._deadlines.first_token(seconds, waited=r.queue_ms / 1000.0, queued=r.waited, limit=r.wait_limit)
 
     def leave(self, r: Reservation) -> None:
         """Give back ``r``'s blocks, or withdraw it from the queue (``Reservation.release``; idempotent)."""
@@ -300,6 +299,9 @@ class Admission:
                 if chosen is None:
                     break
                 self._admit(chosen, placed[chosen])
+            for r, err in list(lateness.late_requests(  # known late, or held past their objective by the pace
+                    self._queue, self._deadlines, self._drain, len(self._in_flight), self._clock(), arriving)):
+                self._fail(r, err)
             if largest is not None and self._queue:  # refused now rather than at the deadline: forecast to wait
                 free = self._sites.budget_total() - self.committed
                 backlog, span = self._queue.backlog(), refusals.span_of(self._settings.queue_timeout)
@@ -313,7 +315,7 @@ class Admission:
     def _place(self, r: Reservation, placed: dict[Reservation, Site]) -> bool:
         """Whether ``r`` fits on an engine now; the engine it fits on first is noted in ``placed``."""
         limit = self._settings.max_concurrency
-        if limit is not None and len(self._in_flight) >= limit:
+        if (limit is not None and len(self._in_flight) >= limit) or self._deadlines.pace.binds(len(self._in_flight)):
             return False
         for site in self._sites.candidates(r, self._block_size, self._sharing):
             if site.fits(r):
@@ -360,14 +362,10 @@ class Admission:
         """Fail the queued requests whose wait is over; never the one arriving, whose pass tries it first (a
         deadline of a few milliseconds could pass between its queueing and this, on an idle engine)."""
         now = self._clock()
-        for r in self._queue.expired(now):
-            if r is arriving:
-                continue
+        for r in [r for r in self._queue.expired(now) if r is not arriving]:
             position, waited = self._queue.position(r), now - self._queue.enqueued_at(r)
-            retry_after = self._drain.retry_after(position, now)
-            self._fail(r, refusals.timed_out(
-                r, waited, self._settings.queue_timeout, len(self._in_flight), len(self._queue), retry_after
-            ))
+            self._fail(r, refusals.timed_out(r, waited, self._settings.queue_timeout, len(self._in_flight),
+                                             len(self._queue), self._drain.retry_after(position, now)))
 
     # -- capacity and the live view ---------------------------------------------------------------
     def _capacity(self) -> Capacity | None:
@@ -392,6 +390,7 @@ class Admission:
     def _on_snapshot(self, engine: int, old: EngineSnapshot, new: EngineSnapshot) -> None:
         self._sites.follow_ranks(engine, new)
         held_back, room = bool(self._queue) and not self._paused, self._deadlines.compute_room(len(self._in_flight))
+        self._deadlines.steer(len(self._in_flight), held_back, new.waiting)
         blamed = sum(site.learn(old, new, held_back, room) for site in self._sites.of_engine(engine))
         self._metrics.record_foreign(sum(s.foreign for s in self._sites), blamed)
         control = self._sites.primary.projector.optimism

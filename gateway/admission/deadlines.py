@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from gateway.admission.pace import Pace
 from gateway.admission.sustained import SustainedOverload
 
 WINDOW_SECONDS = 10.0
@@ -68,6 +69,9 @@ class WaitLimit:
     # Where an objective (the request's own, the operator's or the derived one) sets the wait, the limit that holds
     # once the request is queued: the client's own deadline or ``--queue-timeout``. None: this one holds throughout.
     then: WaitLimit | None = None
+    # The operator's objective, or the derived one, that judged it as it arrived: once queued it is refused as soon
+    # as its wait so far and the engine's time to a first token now pass it (``Deadlines.late``). None: no such.
+    objective: float | None = None
 
     @property
     def queued(self) -> WaitLimit:
@@ -123,6 +127,7 @@ class Deadlines:
         self.objective = objective if isinstance(objective, int | float) else None
         self.sustained = SustainedOverload(enabled=objective == "auto")
         self.first_tokens = FirstTokens(clock)
+        self.pace = Pace()
         self._clock = clock
 
     def engine_seconds(self, in_flight: int) -> float:
@@ -135,7 +140,7 @@ class Deadlines:
         backlogged = oldest_wait > self.sustained.wait(self.unhurried())
         if backlogged and limit.seconds > 0:  # queued (refused at once otherwise)
             self.sustained.arrived_into_backlog(r, self._clock())
-        then = replace(limit.then, backlogged=backlogged) if limit.then is not None else None
+        then = replace(limit.then, backlogged=backlogged, objective=limit.objective) if limit.then else None
         return replace(limit, backlogged=backlogged, then=then)
 
     def _limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
@@ -155,13 +160,39 @@ class Deadlines:
         then = WaitLimit(client, True, engine) if client < self.queue_timeout else WaitLimit(
             self.queue_timeout, False, engine)
         # The derived wait is not cut by the engine's time now: that time is held within it (``compute_room``).
+        aims = [self.objective] if self.objective is not None else []
         if derived and (wait := self.sustained.wait(self.unhurried())) < allowed:
             limit = WaitLimit(min(wait, self.queue_timeout), True, engine, derived=True)
+            aims.append(self.sustained.objective(self.unhurried()))
         elif allowed < self.queue_timeout:
             limit = WaitLimit(allowed, True, engine)
         else:
             return WaitLimit(self.queue_timeout, False, engine)
+        limit = replace(limit, objective=min(aims, default=None))
         return replace(limit, then=then) if then.seconds > limit.seconds else limit
+
+    def objective_now(self) -> float | None:
+        """The objective every arriving request is held to now: the operator's, else the derived one while an
+        overload is sustained; None: none (a burst is queued whole)."""
+        if self.objective is not None:
+            return self.objective
+        return self.sustained.objective(self.unhurried()) if self.sustained.applies(self._clock()) else None
+
+    @staticmethod
+    def late(limit: WaitLimit | None, waited: float, engine: float) -> bool:
+        """Whether a request queued ``waited`` seconds ago under ``limit`` is known to miss the objective that judged
+        it: its wait so far and the engine's time to a first token now (``engine_seconds``) pass it."""
+        return limit is not None and limit.objective is not None and waited + engine > limit.objective
+
+    def first_token(self, seconds: float, *, waited: float, queued: bool, limit: WaitLimit | None) -> None:
+        """A request admitted after waiting ``waited`` seconds under ``limit`` streamed its first token ``seconds``
+        after its admission; ``queued``: it waited for a release (rather than being admitted as it arrived)."""
+        self.first_tokens.add(seconds, queued=queued)
+        self.pace.first_token(self._clock(), waited, seconds, limit.objective if limit is not None else None)
+
+    def steer(self, in_flight: int, queued: bool, engine_waiting: int | None) -> None:
+        """Tighten or loosen the pace's cap on the requests in flight (on every engine snapshot)."""
+        self.pace.step(self._clock(), self.objective_now(), in_flight, queued, engine_waiting or 0)
 
     def unhurried(self) -> float:
         """The engine's time to a first token when not overloaded (0 before any was seen)."""
@@ -196,4 +227,5 @@ class Deadlines:
             "sustained_overload": self.sustained.applies(self._clock()),
             "engine_first_token_s": None if estimate is None else round(estimate, 3),
             "engine_first_token_unqueued_s": None if unhurried is None else round(unhurried, 3),
+            **{f"pace_{k}": v for k, v in self.pace.status().items()},
         }

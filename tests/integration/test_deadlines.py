@@ -7,6 +7,7 @@ reaches the engine (test_admission_flood's test_a_client_that_disconnects_while_
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections.abc import Callable
 
@@ -181,7 +182,8 @@ async def test_under_sustained_overload_the_ttft_objective_keeps_admitted_reques
     rig: Callable[..., GatewayServer],
 ) -> None:
     """The overload of test_overload (about three times what the engine serves) with --ttft-objective 1: every
-    request is refused with 503 deadline as it arrives, or queued and answered, most within the objective."""
+    request is refused with 503 deadline as it arrives or, queued, as soon as its wait and the engine's time to a
+    first token pass the objective; the rest are answered within it."""
     objective = 1.0
     gw = rig(ttft_objective=objective)
     await overload_rig.overload(gw.url, 12, float("inf"))  # releases to learn the rate from
@@ -194,7 +196,8 @@ async def test_under_sustained_overload_the_ttft_objective_keeps_admitted_reques
     # The forecast's margin at arrival: most are served within the objective. Its forecast is of a shared host's
     # engine, so the quartile is allowed a fifth more (a CI run gave 1,044 ms for 1,000 once, the rest within).
     assert waits[len(waits) * 3 // 4] <= 1200 * objective, waits
-    assert waits[-1] <= 3000 * objective, waits  # a queued request is served, late at worst, not refused
-    refused = [seconds for r, seconds in answers if r.status_code != 200]
+    assert waits[-1] <= 1200 * objective, waits  # a queued request known to be late is refused, not served late
+    refused = sorted(seconds for r, seconds in answers if r.status_code != 200)
     assert all(int(r.headers["retry-after"]) >= 1 for r, _ in answers if r.status_code != 200)
-    assert max(refused) < objective / 2, sorted(refused)  # every refusal at arrival, none after waiting
+    assert statistics.median(refused) < objective / 2, refused  # most at arrival
+    assert refused[-1] < 1.5 * objective, refused  # the rest once known late: within the objective, and a pass's slack

@@ -129,27 +129,30 @@ async def test_the_forecast_refuses_at_once_a_request_that_would_miss_its_own_de
     await finish(rig, running, task)
 
 
-async def test_a_request_the_objective_queued_is_served_past_it_not_refused() -> None:
-    """The objective judges a request as it arrives; once queued it waits on (here for an engine that slowed) until
-    the queue timeout, and is admitted when room comes: a refusal after seconds of waiting helps nobody."""
+async def test_a_request_the_objective_queued_is_refused_as_soon_as_its_wait_and_the_engines_time_pass_it() -> None:
+    """The objective judges a request as it arrives, and again once queued on what is known: its wait so far and
+    the engine's time to a first token now (here 0.5 s). Past the objective it is refused at once (503 deadline,
+    Retry-After) rather than served late (one that the llm-d router's objective alone judged waits on: below)."""
     rig = Rig(queue_timeout=30.0, ttft_objective=2.0, shed_early="off")
-    holder = await rig.req(10).__aenter__()
+    running = await streamed_first_tokens(rig, 0.5)  # 1 block each
+    holder = await rig.req(6).__aenter__()  # the cache is full
     waiting = enter(rig.req(5))
     await settle()
-    rig.clock.now += 5.0  # past the objective
+    assert rig.adm.queued == 1
+    rig.clock.now += 1.4  # 1.4 + 0.5 s: within the objective
     rig.adm.tick()
     await settle()
     assert not waiting.done() and rig.adm.queued == 1
-    holder.release()
-    (await waiting).release()
-    holder = await rig.req(10).__aenter__()
-    blocked = enter(rig.req(5))
-    await settle()
-    rig.clock.now += 30.0  # the queue timeout still ends a wait
+    rig.clock.now += 0.2  # 1.6 + 0.5 s: past it
     rig.adm.tick()
-    with pytest.raises(errors.QueueTimeout):
-        await blocked
+    with pytest.raises(errors.DeadlineUnreachable, match=r"Waited 1\.6 s .* TTFT objective of 2\.0 s") as caught:
+        await waiting
+    assert status_and_type(caught.value) == (503, "server_error") and caught.value.code == "deadline"
+    assert "retry-after" in error_headers(caught.value)
+    assert rig.adm.queued == 0
     holder.release()
+    for r in running:
+        r.release()
     rig.assert_drained()
 
 

@@ -1,0 +1,85 @@
+"""Lateness: the queued requests already known to miss the TTFT objective that judged them as they arrived, and the
+arrivals the pace's cap would hold past theirs; each refused at once with 503 ``deadline`` and a ``Retry-After``.
+
+An objective (the operator's ``--ttft-objective SECONDS``, or the one derived while an overload is sustained) judges a
+request as it arrives against a forecast of its wait. Forecasts err when the engine slows under them, and a request
+served past its objective is one the objective did not hold for. So the queue is also judged on what is *known*: a
+queued request whose wait so far and the engine's time to a first token now (``Deadlines.late``) pass its objective
+is refused on the next pass over the queue rather than served late; the refusal comes within the objective, while a
+retry can still help. A request the llm-d router's objective alone judged waits on, as that header promises.
+
+While the pace's cap binds (``pace``), the KV forecast sees free blocks and would queue every arrival: the wait is
+then set by the requests that end, one admission each. An arrival is refused when its turn, at the rate requests
+left the gateway over the last minute, comes past ``ARRIVAL_SHARE`` of the time it may wait, as the KV forecast
+refuses (``forecast``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, TypeVar
+
+from gateway import errors
+from gateway.admission.deadlines import Deadlines, WaitLimit
+from gateway.admission.forecast import ARRIVAL_SHARE
+from gateway.admission.queue import Drain, WaitQueue
+from gateway.admission.refusals import SUSTAINED
+
+
+class Queued(Protocol):
+    @property
+    def priority(self) -> int: ...
+
+    @property
+    def blocks(self) -> int: ...
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def weight(self) -> float: ...
+
+    @property
+    def wait_limit(self) -> WaitLimit | None: ...
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+def late_requests(
+    queue: WaitQueue[Q], deadlines: Deadlines, drain: Drain, in_flight: int, now: float, arriving: Q | None,
+) -> Iterator[tuple[Q, errors.DeadlineUnreachable]]:
+    """The queued requests to refuse now, each with its refusal; ``arriving``: the request just queued, judged on
+    its turn under the pace's cap rather than on its wait (it has none yet)."""
+    if deadlines.objective is None and not deadlines.sustained.sustained:
+        return
+    engine = deadlines.engine_seconds(in_flight)
+    for r in list(queue):
+        limit = r.wait_limit
+        if r is arriving or limit is None or limit.objective is None:
+            continue
+        waited = now - queue.enqueued_at(r)
+        if deadlines.late(limit, waited, engine):
+            retry_after = drain.retry_after(queue.position(r), now)
+            yield r, errors.DeadlineUnreachable(
+                f"Waited {waited:.1f} s in the queue; with the engine's {engine:.1f} s to a first token now, its "
+                f"first token would come past the TTFT objective of {limit.objective:.1f} s"
+                f"{' ' + SUSTAINED if limit.derived else ''}; retry later.",
+                retry_after=retry_after,
+            )
+    limit = arriving.wait_limit if arriving is not None else None
+    if arriving is None or limit is None or limit.objective is None or not deadlines.pace.binds(in_flight):
+        return
+    rate = drain.rate(now)
+    if rate is None or arriving not in queue:
+        return
+    position = queue.position(arriving)
+    turn = (position + 1) / rate
+    if turn > ARRIVAL_SHARE * limit.seconds:
+        yield arriving, errors.DeadlineUnreachable(
+            f"Expected wait {turn:.1f} s for one of the {deadlines.pace.cap} requests the engine runs at once within "
+            f"the TTFT objective of {limit.objective:.1f} s{' ' + SUSTAINED if limit.derived else ''} exceeds "
+            f"{ARRIVAL_SHARE:.0%} of the {limit.seconds:.1f} s the request may wait ({position} ahead of it, "
+            f"{rate:.1f} requests end a second); retry later.",
+            retry_after=drain.retry_after(position, now),
+        )
