@@ -347,6 +347,7 @@ class Admission:
 
     def _fail(self, r: Reservation, err: errors.GatewayError) -> None:
         self._dequeue(r)
+        self._deadlines.refused()
         r.reject(err)
 
     def _shed(self, r: Reservation) -> errors.QueueFull:

@@ -203,6 +203,10 @@ class Deadlines:
         queued with)."""
         self.sustained.left_queue(r, waited, self.unhurried(), backlogged=limit is not None and limit.backlogged)
 
+    def refused(self) -> None:
+        """A request was refused (at arrival or from the queue)."""
+        self.sustained.refused(self._clock())
+
     def queue(self, waiting: bool, now: float) -> None:
         """Whether requests wait in the queue, as of ``now`` (after every pass over it)."""
         self.sustained.queue(waiting, now, self.unhurried)

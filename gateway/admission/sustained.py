@@ -12,12 +12,14 @@ the engine fed; the rest is refused at once, while a retry elsewhere can still h
 The two look alike at first (a queue that builds); they part once requests keep arriving into a queue that has
 held requests a while: the overload is **sustained** once a request that *arrived into a backlog* (one queued
 before it had waited past the derived wait, below) has waited past that wait itself, in the queue or on leaving
-it (admitted, refused or withdrawn), and stays so until the queue has stayed empty for ``CALM_SECONDS`` (a queue that
-empties at each release and fills again at the next arrival is still the same overload). A burst that arrives at
-once is queued whole before that happens, and so are its stragglers: vLLM's benchmark client sent 2 of a burst of
-16 long requests 3.5 s after the others, just after the first were admitted having waited 3.5 s, and the rule
-that took any late departure for a sustained overload refused those two. The first requests of a sustained
-overload are queued too. From then on an arriving request may wait in the queue
+it (admitted, refused or withdrawn), and stays so until the queue has stayed empty, and nobody was refused, for
+``CALM_SECONDS`` (a queue that empties at each release and fills again at the next arrival is still the same
+overload, and so is an empty queue because every arrival is refused at once: ended by that, the overload was seen
+again only once requests queued with their clients' deadlines had waited into it, and those were served late).
+A burst that arrives at once is queued whole before that happens, and so are its stragglers: vLLM's benchmark
+client sent 2 of a burst of 16 long requests 3.5 s after the others, just after the first were admitted having
+waited 3.5 s, and the rule that took any late departure for a sustained overload refused those two. The first
+requests of a sustained overload are queued too. From then on an arriving request may wait in the queue
 
     the engine's *unhurried* time to a first token (at least ``MIN_WAIT_SECONDS``)
 
@@ -45,6 +47,7 @@ for every request at all times; ``off`` leaves only ``--queue-timeout`` and the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 MIN_WAIT_SECONDS = 1.0
@@ -59,6 +62,7 @@ class SustainedOverload:
         self.enabled = enabled
         self.sustained = False
         self._empty_since: float | None = None  # when the queue last became empty; None while requests wait
+        self._refused_at = -math.inf  # when a request was last refused while the overload was sustained
         # Requests now waiting that arrived into a backlog, with when each arrived (in arrival order).
         self._backlogged: dict[object, float] = {}
 
@@ -74,9 +78,16 @@ class SustainedOverload:
 
     def applies(self, now: float) -> bool:
         """Whether an arriving request is held to the derived objective now."""
-        if self.sustained and self._empty_since is not None and now - self._empty_since >= CALM_SECONDS:
+        calm = self._empty_since is not None and now - max(self._empty_since, self._refused_at) >= CALM_SECONDS
+        if self.sustained and calm:
             self.sustained = False
         return self.enabled and self.sustained
+
+    def refused(self, now: float) -> None:
+        """A request was refused at ``now``: while the overload is sustained, the queue is not calm for being empty
+        (every arrival may be refused at once into an empty queue while the engine is full)."""
+        if self.sustained:
+            self._refused_at = now
 
     def arrived_into_backlog(self, key: object, now: float) -> None:
         """The request ``key`` was queued at ``now`` while one queued before it had waited past the wait already."""

@@ -207,3 +207,20 @@ def test_the_engine_has_room_for_more_while_its_first_tokens_leave_time_within_t
     deadlines.sustained.sustained = sustained
     # The window's 0.9 quantile: the engine's time now; the floor of a second stands for its unhurried 0.1 s.
     assert deadlines.compute_room(in_flight=3) is room
+
+
+@pytest.mark.parametrize(("refused_at", "sustained"), [
+    pytest.param(None, False, id="an empty queue and nobody refused for a second: over"),
+    pytest.param(0.6, True, id="an empty queue because arrivals are refused at once: still sustained"),
+])
+def test_an_overload_whose_arrivals_are_refused_into_an_empty_queue_stays_sustained(
+    refused_at: float | None, sustained: bool
+) -> None:
+    overload = SustainedOverload(enabled=True)
+    overload.left_queue("r", 1.2, 0.0, backlogged=True)
+    assert overload.applies(0.0)
+    overload.queue(False, 0.0, lambda: 0.0)  # the queue empties
+    if refused_at is not None:
+        overload.refused(refused_at)
+    assert overload.applies(CALM_SECONDS + 0.1) is sustained
+    assert not overload.applies(CALM_SECONDS + 0.7)  # a second with neither
