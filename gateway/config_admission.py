@@ -81,9 +81,10 @@ class AdmissionFields(BaseModel):
         "held requests longer than the wait below), an arriving request may wait as long as the engine's first "
         "token takes when it is not overloaded (at least 1 s), and one forecast to miss that is refused at once "
         "(503 deadline); a burst that arrives at once is queued whole. SECONDS: every request forecast to get no "
-        "first token within this is refused at once, so that admitted requests stay within it. Either objective "
-        "judges a request as it arrives: one it queued waits on, within --queue-timeout and its client's own "
-        "deadline. off: only --queue-timeout and the clients' deadlines."
+        "first token within this is refused at once, so that admitted requests stay within it. Under either, a "
+        "queued request is refused once its wait and the engine's time to a first token now pass the objective "
+        "(2x the wait under auto), and the requests in flight are capped while the engine's first tokens take "
+        "more than half of it. off: only --queue-timeout and the clients' deadlines."
     )
     max_concurrency: int | None = Field(
         None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."
