@@ -224,12 +224,26 @@ class Settings(BaseSettings, AdmissionFields, HttpFields, ManagedFields, Observe
         return self._key_priorities
 
 
+# The largest priority, either way: a request's (x-guard-priority), an API key's or a tenant's. Priorities are only
+# compared, but they travel on the workers' channel as 64-bit integers, and a 40-digit one failed there (a 500
+# with --workers where one process answered 200); a 32-bit range is what any scheduler's priority takes.
+PRIORITY_LIMIT = 2**31 - 1
+
+
+def priority_in_range(value: int, what: str) -> int:
+    """``value``, or a ValueError stating the range, naming ``what`` (the header, the flag, the field)."""
+    if not -PRIORITY_LIMIT <= value <= PRIORITY_LIMIT:
+        raise ValueError(f"{what} must be an integer from -{PRIORITY_LIMIT} to {PRIORITY_LIMIT}; got {value}")
+    return value
+
+
 def _split_key(spec: str) -> tuple[str, int]:
     key, sep, prio = spec.rpartition("=")
     if not sep or not key:
         return spec, 0
     try:
-        return key, int(prio)
+        value = int(prio)
     except ValueError:
         # An '=' inside a key without a number after it is part of the key.
         return spec, 0
+    return key, priority_in_range(value, "the priority of an --api-key")

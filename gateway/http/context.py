@@ -11,7 +11,7 @@ import uuid
 from starlette.requests import Request
 
 from gateway.admission.deadlines import MIN_DEADLINE_SECONDS
-from gateway.config import PromptOverflowPolicy, Settings
+from gateway.config import PromptOverflowPolicy, Settings, priority_in_range
 from gateway.errors import InvalidRequest
 from gateway.guard import offload
 from gateway.guard.context import RequestContext
@@ -68,9 +68,13 @@ def priority(settings: Settings, request: Request, key: str | None, default: int
     if raw is None:
         return settings.key_priorities().get(key, default) if key else default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise InvalidRequest(f"x-guard-priority must be an integer; got {raw!r}.", param="x-guard-priority") from None
+    try:
+        return priority_in_range(value, "x-guard-priority")
+    except ValueError as exc:
+        raise InvalidRequest(f"{exc}.", param="x-guard-priority") from None
 
 
 def deadline(request: Request) -> float | None:

@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from gateway.config import PRIORITY_LIMIT
 from gateway.errors import ConfigInvalid
 from gateway.periodic import Periodic
 from gateway.tenants.limits import NO_LIMITS, TenantLimits
@@ -51,7 +52,7 @@ class TenantSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
     weight: float = Field(default=1.0, gt=0.0, le=1000.0)
-    priority: int = 0
+    priority: int = Field(default=0, ge=-PRIORITY_LIMIT, le=PRIORITY_LIMIT)
     limits: TenantLimits = NO_LIMITS
     keys: list[str] = Field(default_factory=list)
 

@@ -67,6 +67,11 @@ def test_api_keys_may_carry_a_default_priority(keys: list[str], expected: dict[s
     assert build_settings({"api_key": keys}).key_priorities() == expected
 
 
+def test_an_api_keys_priority_past_the_range_is_refused_at_the_start() -> None:
+    with pytest.raises(ValidationError, match="the priority of an --api-key must be an integer from -2147483647"):
+        build_settings({"api_key": ["a=" + "9" * 40]})
+
+
 def test_the_keys_priorities_are_worked_out_once_and_again_for_a_copy_with_other_keys() -> None:
     settings = build_settings({"api_key": ["a=3"]})
     assert settings.key_priorities() is settings.key_priorities()

@@ -4,6 +4,8 @@ the priority comes from the header or the key, the deadline and the request's ow
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from starlette.requests import Request
 
@@ -44,10 +46,24 @@ def test_the_priority_comes_from_the_header_else_from_the_key(
     assert priority(settings, request(**headers), key) == expected
 
 
-def test_a_priority_that_is_not_an_integer_is_a_clear_400() -> None:
-    with pytest.raises(InvalidRequest, match="x-guard-priority must be an integer; got 'high'") as caught:
-        priority(Settings(), request(x_guard_priority="high"), None)
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("high", "x-guard-priority must be an integer; got 'high'"),
+        ("1" * 40, f"x-guard-priority must be an integer from -2147483647 to 2147483647; got {'1' * 40}"),
+        ("-2147483648", "x-guard-priority must be an integer from -2147483647 to 2147483647; got -2147483648"),
+    ],
+    ids=["not an integer", "40 digits (the workers' channel carries 64 bits)", "one past the range"],
+)
+def test_a_priority_that_is_not_an_integer_in_range_is_a_clear_400(given: str, said: str) -> None:
+    with pytest.raises(InvalidRequest, match=re.escape(said)) as caught:
+        priority(Settings(), request(x_guard_priority=given), None)
     assert caught.value.param == "x-guard-priority"
+
+
+def test_the_range_ends_are_priorities() -> None:
+    for value in ("2147483647", "-2147483647"):
+        assert priority(Settings(), request(x_guard_priority=value), None) == int(value)
 
 
 @pytest.mark.parametrize(

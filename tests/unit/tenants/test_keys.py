@@ -86,6 +86,8 @@ def test_a_tenant_the_file_does_not_name_is_the_unlimited_default(tmp_path: Path
 
 BAD = [
     pytest.param("keys.yaml", "tenants:\n  a:\n    weight: 0\n", "line 3, tenants.a.weight", id="a zero weight"),
+    pytest.param("keys.yaml", "tenants:\n  a:\n    priority: " + "9" * 40 + "\n", "line 3, tenants.a.priority",
+                 id="a priority past the range"),
     pytest.param("keys.yaml", "tenants:\n  a:\n    limits:\n      token_per_minute: 5\n",
                  "line 4, tenants.a.limits.token_per_minute: Extra inputs", id="a misspelt limit"),
     pytest.param("keys.yaml", "tenants:\n  a:\n    limits:\n      kv_share: 1.5\n",
