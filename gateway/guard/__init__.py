@@ -6,10 +6,10 @@ engine's progress and the access log), which one process and a worker of ``--wor
 """
 
 __all__ = [
-    "context",  # RequestContext, Reply, Booking, Plan: one request's state between the stages
+    "context",  # RequestContext, Booking, Plan: one request's state between the stages
     "counting",  # exact prompt token counts, as vLLM computes them
     "endpoints",  # one module per guarded endpoint (its request, its validation) and the table of them
-    "exchange",  # the exchange with the engine: a whole answer, or an EngineStream relayed event by event
+    "exchange",  # the exchange with the engine: a Reply, whole or an EngineStream relayed event by event
     "models",  # Models: the engine's served models with the tokenizer
     "parts",  # Parts, Outcome
     "pipeline",  # handle: the request path

@@ -1,23 +1,20 @@
-"""One request as the guard sees it, and what the guard answers.
+"""One request as the guard sees it, and what the guard decides for it.
 
 The HTTP layer builds a ``RequestContext`` once (request id, the key's priority, the overflow policy, the body
-parsed); the pipeline reads it, plans the request (``Plan``) and records what it did in ``outcome``. Nothing here
-knows HTTP frameworks.
+parsed); the pipeline reads it, plans the request (``Plan``, with the ``Booking`` admission reserves) and records
+what it did in ``outcome``; its answer is a ``Reply`` (``exchange``). Nothing here knows HTTP frameworks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.admission.prefix import PromptPrefix
 from gateway.config import PromptOverflowPolicy
 from gateway.guard.parts import Outcome
 from gateway.guard.prompts import Prompt
 from gateway.observe.tracing import OFF, RequestTrace
-
-if TYPE_CHECKING:
-    from gateway.guard.exchange import EngineStream
 
 
 @dataclass(slots=True)
@@ -41,16 +38,6 @@ class RequestContext:
 
     def __post_init__(self) -> None:
         self.outcome = Outcome(self.request_id)
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """The guard's answer: a whole JSON ``body``, or the head of a ``stream`` whose events the HTTP layer relays
-    (``EngineStream.relay``)."""
-
-    headers: dict[str, str]
-    body: bytes | None = None
-    stream: EngineStream | None = None
 
 
 @dataclass(frozen=True, slots=True)

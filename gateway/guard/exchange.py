@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import orjson
@@ -33,7 +34,7 @@ from gateway.engine.sse import SSEFramer, require_event_stream
 from gateway.engine.usage import EVERYTHING, StreamUsage, UsageAsk
 from gateway.engine.vllm_api import upstream_error_from
 from gateway.errors import BadUpstreamResponse, EngineQueueFull, GatewayError, UpstreamHung
-from gateway.guard.context import Booking, Reply, RequestContext
+from gateway.guard.context import Booking, RequestContext
 from gateway.guard.models import Models
 from gateway.guard.parts import Parts
 from gateway.guard.seams import Held
@@ -44,6 +45,17 @@ log = logging.getLogger(__name__)
 # vLLM's API server runs a request on this data-parallel engine instead of balancing it itself
 # (vllm/entrypoints/generate/base/serving.py, vLLM 0.32).
 DP_RANK_HEADER = "x-data-parallel-rank"
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """The guard's answer: a whole JSON ``body``, or the head of a ``stream`` whose events the HTTP layer relays
+    (``EngineStream.relay``)."""
+
+    headers: dict[str, str]
+    body: bytes | None = None
+    stream: EngineStream | None = None
+
 
 
 async def exchange_with_engine(

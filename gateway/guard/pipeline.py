@@ -25,10 +25,11 @@ from gateway.engine.usage import EVERYTHING, UsageAsk
 from gateway.engine.vllm_api import ModelList
 from gateway.errors import GatewayError, UpstreamError, UpstreamLost, UpstreamUnavailable
 from gateway.guard import exchange, offload, planning
-from gateway.guard.context import Booking, Reply, RequestContext
+from gateway.guard.context import Booking, RequestContext
 from gateway.guard.endpoints.base import GuardedRequest, engine_body
 from gateway.guard.endpoints.pooling import PoolingRequest
-from gateway.guard.endpoints.table import parse
+from gateway.guard.endpoints.table import BY_NAME, parse
+from gateway.guard.exchange import Reply
 from gateway.guard.parts import Outcome, Parts
 from gateway.guard.policy import Limits, effective_max_model_len
 from gateway.guard.seams import Granted, Held
@@ -39,9 +40,10 @@ from gateway.tenants import Grant
 
 log = logging.getLogger(__name__)
 
+
 async def handle(parts: Parts, ctx: RequestContext) -> AsyncGenerator[Reply, None]:
     answered = False  # once the head is out, a failure is the stream's own and was counted by it
-    ctx.trace = trace = parts.tracing.start(ctx.route, ctx.trace_carrier)
+    ctx.trace = trace = parts.tracing.start(ctx.route, ctx.trace_carrier, BY_NAME[ctx.route].operation)
     try:
         with trace.stage("parse"):
             req = await offload.run(parse, ctx.route, ctx.body)  # validation walks the whole body

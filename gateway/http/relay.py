@@ -19,8 +19,7 @@ from starlette.types import Receive, Scope, Send
 from gateway.config_http import MAX_BUFFERED_BYTES
 from gateway.errors import GatewayError
 from gateway.guard import pipeline
-from gateway.guard.context import Reply
-from gateway.guard.exchange import EngineStream
+from gateway.guard.exchange import EngineStream, Reply
 from gateway.guard.parts import Parts
 from gateway.http.access import AccessEntry
 from gateway.http.body import DisconnectWatcher

@@ -32,7 +32,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from gateway import __version__
 from gateway.clip import clip
 from gateway.errors import GatewayError
-from gateway.observe.tracing import OPERATIONS, AttrValue, Generated, RequestTrace, Tracing
+from gateway.observe.tracing import AttrValue, Generated, RequestTrace, Tracing
 
 SCOPE = "vllm_guard"
 # A stream's events that may carry what the request's span reports at its end (the last chunks).
@@ -51,9 +51,9 @@ class OtelTracing(Tracing):
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url)))
         self.tracer = self.provider.get_tracer(SCOPE, __version__)
 
-    def start(self, route: str, carrier: Mapping[str, str]) -> RequestTrace:
+    def start(self, route: str, carrier: Mapping[str, str], operation: str | None = None) -> RequestTrace:
         parent = propagate.extract(carrier) if carrier else None
-        operation = OPERATIONS.get(route, route)
+        operation = operation or route
         span = self.tracer.start_span(
             operation, context=parent, kind=SpanKind.SERVER,
             attributes={"gen_ai.operation.name": operation, "vllm_guard.route": route},

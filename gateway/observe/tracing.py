@@ -30,10 +30,6 @@ AttrValue = str | bool | int | float | Sequence[str]
 TRACE_HEADERS = ("traceparent", "tracestate")
 # OTLP/HTTP's path for traces, appended to an endpoint given without one (the collector's base URL).
 OTLP_TRACES_PATH = "/v1/traces"
-# gen_ai.operation.name by route (GenAI semantic conventions' well-known values where one fits).
-OPERATIONS = {
-    "chat": "chat", "responses": "chat", "completions": "text_completion", "embeddings": "embeddings",
-}
 
 
 class Generated(Protocol):
@@ -94,8 +90,9 @@ OFF = RequestTrace()
 class Tracing:
     """Where requests' traces go; this base class is the no-op one (no ``--otlp-traces-endpoint``)."""
 
-    def start(self, route: str, carrier: Mapping[str, str]) -> RequestTrace:
-        """A request's trace, continuing the client's (``carrier``: its W3C trace headers), else a new one."""
+    def start(self, route: str, carrier: Mapping[str, str], operation: str | None = None) -> RequestTrace:
+        """A request's trace, continuing the client's (``carrier``: its W3C trace headers), else a new one.
+        ``operation``: its ``gen_ai.operation.name`` (the route's name when it has none of the well-known ones)."""
         return OFF
 
     async def close(self) -> None:

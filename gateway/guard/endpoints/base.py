@@ -56,7 +56,8 @@ class Endpoint(Generic[R]):
     ``prompt_field``: what a prompt too long for the context is called; ``asks_usage``: a stream asks the
     engine for its usage figures (``gateway.engine.usage``); ``echo_logprobs``: the field that, with ``echo``,
     asks for prompt logprobs (``prefixes``); ``min_tokens``: vLLM reads ``min_tokens`` here; ``fits``: the
-    check of an endpoint whose prompt is never truncated, in place of the prompt policy.
+    check of an endpoint whose prompt is never truncated, in place of the prompt policy; ``operation``: its
+    ``gen_ai.operation.name`` in traces (the GenAI semantic conventions' well-known value where one fits).
     """
 
     name: str
@@ -70,6 +71,7 @@ class Endpoint(Generic[R]):
     echo_logprobs: str | None = None
     min_tokens: bool = True
     fits: Callable[[int, Limits, PromptOverflowPolicy], None] | None = None
+    operation: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,5 +31,5 @@ def parse_chat(body: dict[str, Any]) -> GuardedRequest:
 CHAT = Endpoint(
     "chat", ("/v1/chat/completions",), "generating", parse_chat,
     bound_fields=("max_completion_tokens", "max_tokens"), prompt_field="messages", asks_usage=True,
-    echo_logprobs="top_logprobs",
+    echo_logprobs="top_logprobs", operation="chat",
 )

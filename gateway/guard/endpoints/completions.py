@@ -38,4 +38,5 @@ def parse_completion(body: dict[str, Any]) -> GuardedRequest:
 
 COMPLETIONS = Endpoint(
     "completions", ("/v1/completions",), "generating", parse_completion, asks_usage=True, echo_logprobs="logprobs",
+    operation="text_completion",
 )

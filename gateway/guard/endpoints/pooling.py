@@ -124,7 +124,7 @@ def parse_rerank(body: dict[str, Any]) -> PoolingRequest:
     return _parse_pairs(RERANK, body, "query", "documents")
 
 
-EMBEDDINGS = Endpoint("embeddings", ("/v1/embeddings",), "pooling", parse_embeddings)
+EMBEDDINGS = Endpoint("embeddings", ("/v1/embeddings",), "pooling", parse_embeddings, operation="embeddings")
 POOLING = Endpoint("pooling", ("/pooling",), "pooling", parse_pooling)
 CLASSIFY = Endpoint("classify", ("/classify",), "pooling", parse_classify)
 SCORE = Endpoint("score", ("/score", "/v1/score"), "pooling", parse_score)

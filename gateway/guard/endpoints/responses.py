@@ -106,7 +106,7 @@ def check_fits(prompt_tokens: int, limits: Limits, policy: PromptOverflowPolicy)
 
 RESPONSES = Endpoint(
     "responses", ("/v1/responses",), "generating", parse_responses, bound="max_output_tokens",
-    bound_fields=("max_output_tokens",), prompt_field="input", min_tokens=False, fits=check_fits,
+    bound_fields=("max_output_tokens",), prompt_field="input", min_tokens=False, fits=check_fits, operation="chat",
 )
 
 

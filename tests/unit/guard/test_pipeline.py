@@ -12,7 +12,8 @@ from gateway.engine.engine import Engine
 from gateway.engine.vllm_api import ModelList, ServedModel
 from gateway.errors import UpstreamUnavailable
 from gateway.guard import exchange, pipeline
-from gateway.guard.context import Booking, Reply, RequestContext
+from gateway.guard.context import Booking, RequestContext
+from gateway.guard.exchange import Reply
 from gateway.guard.parts import Parts
 from gateway.http.relay import StreamAnswer
 from gateway.http.stream_out import HeldBytes

@@ -17,7 +17,8 @@ from gateway.engine.engine import Engine
 from gateway.engine.sse import PartialEvent, SSEFramer
 from gateway.errors import BadUpstreamResponse, UpstreamUnavailable
 from gateway.guard import exchange
-from gateway.guard.context import Booking, Reply, RequestContext
+from gateway.guard.context import Booking, RequestContext
+from gateway.guard.exchange import Reply
 from gateway.guard.parts import Parts
 from gateway.http.relay import StreamAnswer
 from gateway.http.stream_out import HeldBytes

@@ -163,7 +163,7 @@ def test_a_request_span_has_a_child_per_stage_and_queue_wait_inside_admission(
     clock = Clock()
     monkeypatch.setattr(otel, "time", clock)
     tracing, exporter = in_memory()
-    trace = tracing.start("completions", {})
+    trace = tracing.start("completions", {}, "text_completion")
     assert isinstance(trace, OtelRequestTrace)
     with trace.stage("parse"):
         pass
