@@ -51,7 +51,7 @@ from gateway.http.errors import status_and_type
 from gateway.http.limits import ConnectionLimits
 from gateway.http.refusals import head_too_large, parse_error, render
 from gateway.http.stall import WriteStall, due
-from gateway.http.stream_out import CONNECTION
+from gateway.http.stream_out import CONNECTION, ConnectionLink
 from gateway.http.transport import LingeringTransport, unread
 
 log = logging.getLogger(__name__)
@@ -299,7 +299,7 @@ class GuardProtocol(HttpToolsProtocol):
             ))
         super().on_headers_complete()
         self.transport.hold_head()  # type: ignore[attr-defined]  # (LingeringTransport) head and body in one write
-        self.scope["extensions"] = {CONNECTION: (self, self.cycle)}  # type: ignore[dict-item]  # streams write to it
+        self.scope["extensions"] = {CONNECTION: ConnectionLink(self, self.cycle)}  # type: ignore[dict-item]
         # Until the body is whole (data_received sees it), the body's limits hold.
         now = self.loop.time()
         self._body_start = now

@@ -195,3 +195,30 @@ def test_a_client_that_keeps_up_holds_nothing() -> None:
     held, cuts = HeldBytes(1000), []
     held.note(Holder("quick", 0, cuts), 0)
     assert held.total == 0 and cuts == []
+
+
+def test_the_connections_link_unpacks_as_the_pair_and_keeps_neither_alive() -> None:
+    """The link sits in the cycle's own scope: held strongly, the pair made every request a reference cycle."""
+    import gc
+    import weakref
+
+    from gateway.http.stream_out import ConnectionLink
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.scope: dict[str, object] = {}
+
+    class Protocol:
+        pass
+
+    protocol, cycle = Protocol(), Cycle()
+    cycle.scope["link"] = link = ConnectionLink(protocol, cycle)
+    got_protocol, got_cycle = link
+    assert (got_protocol, got_cycle) == (protocol, cycle)
+    gone = weakref.ref(cycle)
+    del got_cycle, cycle, link
+    gc.disable()
+    try:
+        assert gone() is None, "freed by reference counting alone"
+    finally:
+        gc.enable()
