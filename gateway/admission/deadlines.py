@@ -187,7 +187,9 @@ class Deadlines:
     def first_token(self, seconds: float, *, waited: float, queued: bool, limit: WaitLimit | None) -> None:
         """A request admitted after waiting ``waited`` seconds under ``limit`` streamed its first token ``seconds``
         after its admission; ``queued``: it waited for a release (rather than being admitted as it arrived)."""
-        self.first_tokens.add(seconds, queued=queued)
+        # While an overload is sustained, a request admitted as it arrived still joins a full engine: its time is the
+        # load's, not the engine's unhurried one, and the derived wait resting on it would drift up with the load.
+        self.first_tokens.add(seconds, queued=queued or self.sustained.sustained)
         self.pace.first_token(self._clock(), waited, seconds, limit.objective if limit is not None else None)
 
     def steer(self, in_flight: int, queued: bool, engine_waiting: int | None) -> None:

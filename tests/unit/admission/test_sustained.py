@@ -224,3 +224,15 @@ def test_an_overload_whose_arrivals_are_refused_into_an_empty_queue_stays_sustai
         overload.refused(refused_at)
     assert overload.applies(CALM_SECONDS + 0.1) is sustained
     assert not overload.applies(CALM_SECONDS + 0.7)  # a second with neither
+
+
+def test_first_tokens_while_the_overload_is_sustained_leave_the_unhurried_time_where_it_was() -> None:
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: 0.0)
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_token(0.2, waited=0.0, queued=False, limit=None)  # an engine that was not overloaded
+    deadlines.sustained.left_queue("r", 1.2, 0.2, backlogged=True)
+    assert deadlines.sustained.applies(0.0)
+    for _ in range(64):
+        deadlines.first_token(3.0, waited=0.0, queued=False, limit=None)  # admitted as they arrived into a full one
+    assert deadlines.unhurried() == pytest.approx(0.2)
+    assert deadlines.status()["engine_first_token_s"] == pytest.approx(3.0)  # the engine's time now still moves
