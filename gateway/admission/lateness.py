@@ -54,6 +54,7 @@ def late_requests(
     if deadlines.objective is None and not deadlines.sustained.sustained:
         return
     engine = deadlines.engine_seconds(in_flight)
+    whose = f" {SUSTAINED}" if deadlines.objective is None else ""  # the derived objective, else the operator's
     for r in list(queue):
         limit = r.wait_limit
         if r is arriving or limit is None or limit.objective is None:
@@ -64,7 +65,7 @@ def late_requests(
             yield r, errors.DeadlineUnreachable(
                 f"Waited {waited:.1f} s in the queue; with the engine's {engine:.1f} s to a first token now, its "
                 f"first token would come past the TTFT objective of {limit.objective:.1f} s"
-                f"{' ' + SUSTAINED if limit.derived else ''}; retry later.",
+                f"{whose}; retry later.",
                 retry_after=retry_after,
             )
     limit = arriving.wait_limit if arriving is not None else None
@@ -78,7 +79,7 @@ def late_requests(
     if turn > ARRIVAL_SHARE * limit.seconds:
         yield arriving, errors.DeadlineUnreachable(
             f"Expected wait {turn:.1f} s for one of the {deadlines.pace.cap} requests the engine runs at once within "
-            f"the TTFT objective of {limit.objective:.1f} s{' ' + SUSTAINED if limit.derived else ''} exceeds "
+            f"the TTFT objective of {limit.objective:.1f} s{whose} exceeds "
             f"{ARRIVAL_SHARE:.0%} of the {limit.seconds:.1f} s the request may wait ({position} ahead of it, "
             f"{rate:.1f} requests end a second); retry later.",
             retry_after=drain.retry_after(position, now),

@@ -236,3 +236,22 @@ def test_first_tokens_while_the_overload_is_sustained_leave_the_unhurried_time_w
         deadlines.first_token(3.0, waited=0.0, queued=False, limit=None)  # admitted as they arrived into a full one
     assert deadlines.unhurried() == pytest.approx(0.2)
     assert deadlines.status()["engine_first_token_s"] == pytest.approx(3.0)  # the engine's time now still moves
+
+
+async def test_once_sustained_a_request_queued_under_the_derived_wait_is_refused_once_past_the_derived_objective(
+) -> None:
+    rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict")
+    running, task = await sustained(rig)
+    rig.clock.now += 1.9  # nothing released: within twice the 1-s wait
+    rig.adm.tick()
+    await settle()
+    assert not task.done()
+    rig.clock.now += 0.2  # past it
+    rig.adm.tick()
+    with pytest.raises(errors.DeadlineUnreachable, match=r"past the TTFT objective of 2\.0 s while the overload is "
+                       r"sustained \(--ttft-objective auto\)") as caught:
+        await task
+    assert caught.value.retry_after is not None and rig.adm.queued == 0
+    for r in running:
+        r.release()
+    rig.assert_drained()
