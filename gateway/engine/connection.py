@@ -22,16 +22,13 @@ import asyncio
 import enum
 import re
 import select
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.engine.wire import MAX_HEAD_BYTES, Exchange
 from gateway.errors import BadUpstreamResponse, GatewayError, UpstreamLost
-
-if TYPE_CHECKING:
-    from gateway.engine.pool import Pool
 
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
@@ -52,10 +49,23 @@ _MOVES: tuple[tuple[State, ...], ...] = (
 )
 
 
+class Home(Protocol):
+    """What a connection asks of the pool that made it (``pool.Pool``): where it goes back once its answer is
+    whole, where it is forgotten once closed, and the exchanges in flight. Named here so that the connection,
+    below its pool, does not import it."""
+
+    loop: asyncio.AbstractEventLoop
+    active: set[Exchange]
+
+    def release(self, conn: Connection) -> None: ...
+
+    def forget(self, conn: Connection) -> None: ...
+
+
 class Connection(asyncio.Protocol):
     """One kept-alive connection to the engine; the parser's callbacks feed the exchange it carries."""
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: Home) -> None:
         self.pool = pool
         self._time = pool.loop.time
         self.state = State.CONNECTING

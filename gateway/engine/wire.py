@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.errors import GatewayError
-
-if TYPE_CHECKING:
-    from gateway.engine.connection import Connection
 
 # Past this an answer's head (its status line, headers and any 1xx heads before it) is refused as it is read:
 # vLLM's are ~200 bytes; a 70 KB header, or an endless one, is an upstream gone wrong.
@@ -34,6 +31,17 @@ MAX_HEAD_BYTES = 64 * 1024
 # A reader (``BufferSink``) that lets this many bytes wait pauses the connection's reads until it catches up.
 PAUSE_AT = 1024 * 1024
 UNREACHABLE_RETRY_AFTER = 5.0
+
+
+class Carrier(Protocol):
+    """What an exchange asks of the connection that carries it (``connection.Connection``): the wire's records
+    sit below the connection and its pool, and name only this."""
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class Sink(Protocol):
@@ -108,7 +116,7 @@ class Exchange:
         self.limit = 0.0  # the seconds that deadline allowed, for the timeout's message
         self.silence = silence  # seconds the engine may stay silent
         self.read_at = 0.0
-        self.conn: Connection | None = None
+        self.conn: Carrier | None = None
         self.head: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.status = 0
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
