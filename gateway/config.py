@@ -18,7 +18,7 @@ from gateway.config_admission import AdmissionFields
 from gateway.config_http import HttpFields
 from gateway.config_managed import MANAGED_HANG_TIMEOUT, ManagedFields
 from gateway.config_observe import ObserveFields
-from gateway.redact import redact_url, url_has_credentials
+from gateway.redact import redact_url, url_has_credentials, url_secrets
 from gateway.vllm_args import arg_value
 
 ENV_PREFIX = "VLLM_GUARD_"
@@ -222,6 +222,14 @@ class Settings(BaseSettings, AdmissionFields, HttpFields, ManagedFields, Observe
     def key_priorities(self) -> Mapping[str, int]:
         """Client API keys mapped to their default priority (0 when none is given)."""
         return self._key_priorities
+
+    def secrets(self) -> list[str]:
+        """Every secret the settings hold, for the log redaction (``SecretRedactor``): client, admin and upstream
+        keys, the upstream URL's password."""
+        keys = [*self.key_priorities(), *self.api_key, *self.admin_api_key]
+        if self.upstream_api_key:
+            keys.append(self.upstream_api_key)
+        return [*keys, *(s for url in self.upstream for s in url_secrets(url))]
 
 
 # The largest priority, either way: a request's (x-guard-priority), an API key's or a tenant's. Priorities are only

@@ -16,13 +16,10 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from gateway.clip import cut_marker
-
-if TYPE_CHECKING:  # config imports this module for its own messages
-    from gateway.config import Settings
 
 REDACTED = "***"
 # Shorter secrets are not replaced everywhere: they would garble every log line, and a key that short is
@@ -83,7 +80,8 @@ def url_secrets(url: str) -> list[str]:
 
 
 class SecretRedactor(logging.Filter):
-    """Replaces each secret, and every URL's credentials, with ``***``: in text, and in log records.
+    """Replaces each secret, and every URL's credentials, with ``***``: in text, and in log records. The settings'
+    secrets are ``Settings.secrets()``.
 
     Usable as a ``logging.Filter`` on a handler or logger; ``install_log_redaction`` applies it to every record
     created in the process instead, since handlers (uvicorn's own among them) come and go.
@@ -94,14 +92,6 @@ class SecretRedactor(logging.Filter):
         kept = sorted({s for s in secrets if len(s) >= MIN_SECRET_CHARS}, key=len, reverse=True)
         # Longest first, so that a secret containing another is replaced whole.
         self._pattern = re.compile("|".join(re.escape(s) for s in kept)) if kept else None
-
-    @classmethod
-    def for_settings(cls, settings: Settings) -> SecretRedactor:
-        """Every secret ``settings`` holds: client, admin and upstream keys, the upstream URL's password."""
-        keys = [*settings.key_priorities(), *settings.api_key, *settings.admin_api_key]
-        if settings.upstream_api_key:
-            keys.append(settings.upstream_api_key)
-        return cls([*keys, *(s for url in settings.upstream for s in url_secrets(url))])
 
     def redact(self, text: str) -> str:
         text = redact_urls_in(text)

@@ -96,7 +96,7 @@ class Supervisor:
         self.last_error: str | None = None
         self.last_exit_code: int | None = None
         self.autofit_log: list[str] = []
-        self._redactor = SecretRedactor.for_settings(settings)
+        self._redactor = SecretRedactor(settings.secrets())
         self._probe = EngineProbe(self.url, settings.upstream_api_key, clock)
         self._budget = RestartBudget(
             max_restarts=settings.max_restarts, window=settings.restart_window, backoff_base=backoff_base, clock=clock

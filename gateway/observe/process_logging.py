@@ -16,6 +16,6 @@ def install_logging(settings: Settings) -> DefaultHandler | None:
     )
     # Every record, from any logger (uvicorn's, vLLM's relayed lines), has its secrets replaced before it is
     # handled: the places that show URLs and keys redact them already; this catches what they miss.
-    install_log_redaction(SecretRedactor.for_settings(settings))
+    install_log_redaction(SecretRedactor(settings.secrets()))
     # The access log on standard output, written by a thread of its own.
     return install_default_handler(settings.access_log)

@@ -40,7 +40,7 @@ def rig(tokenizer: Any, tokenizer_dir: Path) -> Iterator[tuple[SimServer, Gatewa
                         api_key=[KEY])
     with run_sim_server(config) as sim, run_gateway(settings, upstream=sim.url) as gw:
         # As the command line does: every record has the configured secrets replaced.
-        undo = install_log_redaction(SecretRedactor.for_settings(settings))
+        undo = install_log_redaction(SecretRedactor(settings.secrets()))
         try:
             yield sim, gw
         finally:

@@ -87,10 +87,10 @@ def test_every_configured_secret_is_known_to_the_redactor() -> None:
     settings = Settings(
         upstream=with_credentials("http://h:1"), api_key=[CLIENT_KEY + "=5"], admin_api_key=[ADMIN_KEY]
     )
-    redactor = SecretRedactor.for_settings(settings)
+    redactor = SecretRedactor(settings.secrets())
     text = f"{CLIENT_KEY} {ADMIN_KEY} {PASSWORD} {PASSWORD_IN_URL} http://{USER}:x@h"
     assert redactor.redact(text) == "*** *** *** *** http://***@h"
-    keyed = SecretRedactor.for_settings(Settings(upstream_api_key=UPSTREAM_KEY))
+    keyed = SecretRedactor(Settings(upstream_api_key=UPSTREAM_KEY).secrets())
     assert keyed.redact(f"--api-key {UPSTREAM_KEY}") == "--api-key ***"
 
 

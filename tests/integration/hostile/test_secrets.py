@@ -64,7 +64,7 @@ def setup(request: pytest.FixtureRequest, rogue: Rogue, tokenizer_dir: Path) -> 
         logging.getLogger(name).setLevel(logging.DEBUG)
     root.addHandler(logs)
     # As `vllm-guard serve` does before it starts the server.
-    undo = install_log_redaction(SecretRedactor.for_settings(settings))
+    undo = install_log_redaction(SecretRedactor(settings.secrets()))
     try:
         with run_gateway(settings) as server:
             target = Target(server, None, json.dumps(ROGUE_OK_CHAT).encode())
