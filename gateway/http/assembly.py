@@ -28,7 +28,7 @@ from gateway.managed.tasks import OwnedTasks
 from gateway.metrics import Metrics
 from gateway.observe.history import History, Sampler
 from gateway.observe.loop_lag import LoopLag
-from gateway.observe.tracing import start_tracing
+from gateway.observe.trace_export import start_tracing
 from gateway.redact import redact_url
 from gateway.tenants import Tenants
 

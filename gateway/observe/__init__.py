@@ -7,5 +7,6 @@ __all__ = [
     "history",  # Sampler, History: the live page's samples
     "loop_lag",  # LoopLag: the event loop's lag
     "process_logging",  # the process's logging set-up
+    "trace_export",  # start_tracing: the no-op Tracing, or OpenTelemetry's with an endpoint
     "tracing",  # Tracing, RequestTrace: requests' spans (OpenTelemetry in ``otel``, loaded only when on)
 ]

@@ -6,7 +6,8 @@ tenant, exchange), the attributes it learned (``set_attributes``), admission and
 ``admitted``), the headers that carry the trace to the engine (``headers``), the engine's answer (``answer``,
 ``stream``), a failure (``fail``), the end (``end``). This module holds the no-op versions, used when tracing is
 off: each hook costs one method call, and the OpenTelemetry SDK is never imported. With an endpoint,
-``start_tracing`` builds the SDK-backed ``Tracing`` of ``gateway/observe/otel.py``.
+``start_tracing`` (``gateway/observe/trace_export.py``) builds the SDK-backed ``Tracing`` of
+``gateway/observe/otel.py``.
 
 Span and attribute names follow OpenTelemetry's GenAI semantic conventions (``gen_ai.*``); the gateway's own
 are under ``vllm_guard.*`` (docs/tracing.md lists them).
@@ -19,17 +20,11 @@ import re
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
-from urllib.parse import urlsplit, urlunsplit
-
-from gateway.config import Settings
-from gateway.errors import ConfigInvalid
 
 AttrValue = str | bool | int | float | Sequence[str]
 
 # W3C Trace Context: what a client sends to be continued, and what the engine gets from the gateway.
 TRACE_HEADERS = ("traceparent", "tracestate")
-# OTLP/HTTP's path for traces, appended to an endpoint given without one (the collector's base URL).
-OTLP_TRACES_PATH = "/v1/traces"
 
 
 class Generated(Protocol):
@@ -97,29 +92,6 @@ class Tracing:
 
     async def close(self) -> None:
         """Export what is still buffered, then stop exporting (on shutdown)."""
-
-
-def traces_url(endpoint: str) -> str:
-    """The URL spans are posted to: ``endpoint`` as given, or with OTLP's traces path when it has no path."""
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise ConfigInvalid(
-            f"--otlp-traces-endpoint must be an http:// or https:// URL (OTLP over HTTP); got {endpoint!r}"
-        )
-    if parts.path in ("", "/"):
-        parts = parts._replace(path=OTLP_TRACES_PATH)
-    return urlunsplit(parts)
-
-
-def start_tracing(settings: Settings) -> Tracing:
-    """The no-op ``Tracing`` without an endpoint; else one exporting to it with the OpenTelemetry SDK (imported
-    only then)."""
-    if settings.otlp_traces_endpoint is None:
-        return Tracing()
-    url = traces_url(settings.otlp_traces_endpoint)
-    from gateway.observe.otel import OtelTracing
-
-    return OtelTracing(url)
 
 
 # W3C Trace Context (www.w3.org/TR/trace-context/#traceparent-header): version "-" trace-id "-" parent-id "-"
