@@ -22,7 +22,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, cast
@@ -38,8 +38,10 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from .dp import RANK_HEADER, DataParallelSimulator, RankOutOfRange, requested_rank
-from .engine import VLLM_VERSION, Fault, Sequence, SimConfig, Simulator
+from .engine import VLLM_VERSION, Fault, SimConfig, Simulator
+from .handling import Rejected, Run, asgi, until_disconnect
 from .metrics import admission_rejections
+from .routes import SimRoutes
 from .text import ChatTemplateError, PromptCounter, chat_template_kwargs
 from .types import lognormal_lengths
 from .wire import (
@@ -61,61 +63,6 @@ MAX_N = 1024  # envs.VLLM_MAX_N_SEQUENCES
 ENGINE_DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 _INT: TypeAdapter[int] = TypeAdapter(int)  # how vLLM's request models read an int field
 
-
-
-class _Rejected(Exception):
-    """A request vLLM answers with an error body."""
-
-    def __init__(self, message: str, param: str | None = None, err_type: str = "BadRequestError",
-                 status: int = 400, *, in_validator: bool = False) -> None:
-        super().__init__(message)
-        self.message, self.param, self.err_type, self.status = message, param, err_type, status
-        # Raised by one of vLLM's pydantic model validators, so FastAPI's validation handler words it.
-        self.in_validator = in_validator
-
-
-class _Run:
-    """The engine sequences of one HTTP request and the token events they produce."""
-
-    def __init__(self, total: int, stream: bool) -> None:
-        self.seqs: list[Sequence] = []
-        # The sequence whose output came first: the streaming usage reports its prefill stats.
-        self.first: Sequence | None = None
-        self.remaining = total
-        self.finished = asyncio.Event()
-        self.events: asyncio.Queue[tuple[Sequence | None, int, str | None]] | None = (
-            asyncio.Queue() if stream else None
-        )
-
-    def on_token(self, seq: Sequence) -> None:
-        if self.first is None:
-            self.first = seq
-        if self.events is not None:
-            self.events.put_nowait((seq, seq.generated, seq.finish_reason))
-        if seq.finish_reason is not None:
-            self.remaining -= 1
-            if self.remaining == 0:
-                self.finished.set()
-
-
-class _RawResponse(Response):
-    """A Starlette response that hands the raw ASGI channel to a handler."""
-
-    def __init__(self, handler: Callable[[Receive, Send], Awaitable[None]]) -> None:
-        self.handler = handler
-        self.background = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self.handler(receive, send)
-
-
-def _asgi(handler: Callable[[Receive, Send], Awaitable[None]]) -> Response:
-    return _RawResponse(handler)
-
-
-async def _until_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 def _drop_connection(scope: Scope) -> None:
@@ -204,7 +151,7 @@ class _SimApp:
         except ValidationError as exc:
             errors = [dict(e, loc=("body", *e["loc"])) for e in exc.errors(include_url=False)]
             return self.validation_error(errors)
-        except _Rejected as exc:
+        except Rejected as exc:
             if exc.in_validator:
                 return self.validation_error([{"type": "value_error", "loc": ("body",),
                                                "msg": f"Value error, {exc.message}", "input": body,
@@ -217,7 +164,7 @@ class _SimApp:
             return self._engine_refusal(str(exc), plan.stream)
         if (refused := self._queue_cap(len(plan.prompts) * plan.n)) is not None:
             return refused
-        run = _Run(len(plan.prompts) * plan.n, plan.stream)
+        run = Run(len(plan.prompts) * plan.n, plan.stream)
         if max(plan.prompts) >= self.sim.capacity_tokens:
             # Only reachable with a cache smaller than max_model_len, which vLLM refuses at start-up.
             return self.error(f"The prompt ({max(plan.prompts)} tokens) does not fit into the KV cache "
@@ -229,11 +176,11 @@ class _SimApp:
                                         lora=plan.lora, cache_salt=plan.cache_salt, rank=rank)
         scope = request.scope
         if plan.stream:
-            return _asgi(lambda receive, send: self._stream(scope, receive, send, plan, run))
+            return asgi(lambda receive, send: self._stream(scope, receive, send, plan, run))
         if run.remaining == 0:
             # orjson rather than JSONResponse's json.dumps: this is the benchmark's hot path.
             return Response(orjson.dumps(full_body(plan, run.seqs, plan.model)), media_type="application/json")
-        return _asgi(lambda receive, send: self._respond_when_done(receive, send, plan, run))
+        return asgi(lambda receive, send: self._respond_when_done(receive, send, plan, run))
 
     def _queue_cap(self, n: int) -> Response | None:
         """vLLM's --max-num-queued-reqs (AsyncLLM.check_admission, before a stream starts): 503 when the
@@ -254,22 +201,22 @@ class _SimApp:
         event = json.dumps({"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}})
         return Response(f"data: {event}\n\ndata: [DONE]\n\n".encode(), media_type="text/event-stream")
 
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model and model != self.config.model and model not in self.config.lora_modules:
-            raise _Rejected(f"The model `{model}` does not exist. Valid aliases: {self.config.model}.",
+            raise Rejected(f"The model `{model}` does not exist. Valid aliases: {self.config.model}.",
                             "model", "NotFoundError", 404)
 
     @staticmethod
     def _check_cache_salt(body: dict[str, Any]) -> None:
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
-            raise _Rejected("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt",
+            raise Rejected("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt",
                             in_validator=True)
         if salt is not None and (len(salt) > 128 or any(c in "@/\\\x00" for c in salt)):
-            raise _Rejected("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', "
+            raise Rejected("Parameter 'cache_salt' must be at most 128 characters and must not contain '@', "
                             "'/', '\\\\', or NUL.", "cache_salt", in_validator=True)
 
-    def _kv_keys(self, body: dict[str, Any]) -> dict[str, Any]:
+    def kv_keys(self, body: dict[str, Any]) -> dict[str, Any]:
         """``Plan`` fields beyond the prompts: what keys its KV blocks (its LoRA adapter and cache salt), the
         model name responses carry, whether usage has details, the stream's interval and the fingerprint. Call
         after the checks."""
@@ -291,9 +238,9 @@ class _SimApp:
         except ValidationError:
             min_tokens = 0
         if min_tokens < 0:
-            raise _Rejected(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
+            raise Rejected(f"min_tokens must be greater than or equal to 0, got {min_tokens}.")
         if min_tokens > min(max_tokens):
-            raise _Rejected(f"min_tokens must be less than or equal to max_tokens={min(max_tokens)}, "
+            raise Rejected(f"min_tokens must be less than or equal to max_tokens={min(max_tokens)}, "
                             f"got {min_tokens}.")
         bias = body.get("logit_bias")
         eos = self.counter.eos_token_id
@@ -303,22 +250,22 @@ class _SimApp:
 
     def _check_n(self, n: int) -> None:
         if n < 1:
-            raise _Rejected(f"n must be at least 1, got {n}.")
+            raise Rejected(f"n must be at least 1, got {n}.")
         if n > MAX_N:
-            raise _Rejected(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
+            raise Rejected(f"n must be at most {MAX_N}, got {n}. To increase this limit, set the "
                             "VLLM_MAX_N_SEQUENCES environment variable.")
 
     def _check_output_limit(self, requested: int | None, param: str) -> None:
         limit = self.config.max_model_len
         if requested is not None and requested > limit and not self.config.reject_prompt_plus_max_tokens:
-            raise _Rejected(f"{param}={requested} cannot be greater than max_model_len={limit}. "
+            raise Rejected(f"{param}={requested} cannot be greater than max_model_len={limit}. "
                             "Please request fewer output tokens.", param)
 
-    def _prompt_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+    def prompt_ids(self, text: str, add_special_tokens: bool) -> list[int]:
         limit = self.config.max_model_len
         per_token = self.counter.max_chars_per_token
         if per_token is not None and len(text) > limit * per_token:
-            raise _Rejected(
+            raise Rejected(
                 f"This model's maximum context length is {limit} tokens. However, your prompt contains "
                 f"{len(text)} characters (more than {limit * per_token} characters, which is the upper bound "
                 f"for {limit} input tokens). Please reduce the length of the input prompt.", "input_text")
@@ -330,26 +277,26 @@ class _SimApp:
         if self.config.reject_prompt_plus_max_tokens:
             # vLLM 0.10-0.31 (serving_engine._validate_input): rejected, never clamped.
             if requested is None and prompt >= limit:
-                raise _Rejected(f"This model's maximum context length is {limit} tokens. However, you requested "
+                raise Rejected(f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{prompt} tokens in the messages, Please reduce the length of the messages.")
             if requested is not None and prompt + requested > limit:
-                raise _Rejected(f"This model's maximum context length is {limit} tokens. However, you requested "
+                raise Rejected(f"This model's maximum context length is {limit} tokens. However, you requested "
                                 f"{prompt + requested} tokens ({prompt} in the messages, {requested} in the "
                                 "completion). Please reduce the length of the messages or completion.")
         elif prompt > limit:
             qualifier = "at least " if prompt == limit + 1 else ""
-            raise _Rejected(f"This model's maximum context length is {limit} tokens. However, your prompt "
+            raise Rejected(f"This model's maximum context length is {limit} tokens. However, your prompt "
                             f"contains {qualifier}{prompt} input tokens, which exceeds this limit even without "
                             "any output tokens. Please reduce the length of the input prompt.", "input_tokens")
         max_tokens = limit - prompt if requested is None else min(limit - prompt, requested)
         if max_tokens < 1:
-            raise _Rejected(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+            raise Rejected(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
         return max_tokens
 
     @staticmethod
     def _check_stream_options(body: dict[str, Any]) -> None:
         if body.get("stream_options") and not body.get("stream"):
-            raise _Rejected("Stream options can only be defined when `stream=True`.", "stream_options",
+            raise Rejected("Stream options can only be defined when `stream=True`.", "stream_options",
                             in_validator=True)
 
     @staticmethod
@@ -364,16 +311,16 @@ class _SimApp:
 
     def _plan_chat(self, body: dict[str, Any], request: Request) -> Plan:
         if body.get("tools") == []:
-            raise _Rejected("`tools` must not be an empty array. Either provide at least one tool or omit the "
+            raise Rejected("`tools` must not be an empty array. Either provide at least one tool or omit the "
                             "field entirely.", "tools", in_validator=True)
         tool_choice = body.get("tool_choice", "auto" if body.get("tools") else "none")
         if tool_choice not in (None, "none") and body.get("tools") is None:
-            raise _Rejected("When using `tool_choice`, `tools` must be set.", "tool_choice", in_validator=True)
+            raise Rejected("When using `tool_choice`, `tools` must be set.", "tool_choice", in_validator=True)
         self._check_stream_options(body)
         self._check_cache_salt(body)
         # vLLM reads the raw body here: an omitted add_generation_prompt does not conflict (yet).
         if body.get("continue_final_message") and body.get("add_generation_prompt"):
-            raise _Rejected("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            raise Rejected("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
                             in_validator=True)
         req = ChatBody.model_validate(body)
         for i, message in enumerate(req.messages):
@@ -381,51 +328,51 @@ class _SimApp:
                 raise ValidationError.from_exception_data("ChatCompletionRequest", [
                     {"type": "missing", "loc": ("messages", i, "role"), "input": message}])
         include_usage, continuous = self._usage_flags(req.stream_options)
-        self._check_model(req.model)
+        self.check_model(req.model)
         n = 1 if req.n is None else req.n
         self._check_n(n)
         if tool_choice not in (None, "none") and not self.config.enable_auto_tool_choice:
             if tool_choice == "auto":
-                raise _Rejected('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                raise Rejected('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
                                 "to be set")
             described = (f'function "{tool_choice.get("function", {}).get("name")}"'
                          if isinstance(tool_choice, dict) else f'"{tool_choice}"')
-            raise _Rejected(f"tool_choice={described} requires --tool-call-parser to be set")
+            raise Rejected(f"tool_choice={described} requires --tool-call-parser to be set")
         param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
         requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         self._check_output_limit(requested, param)
         try:
             text = self.counter.chat_text(req.messages, req.tools, chat_template_kwargs(body))
         except ChatTemplateError as exc:
-            raise _Rejected(str(exc)) from exc
-        ids = self._prompt_ids(text, req.add_special_tokens)
+            raise Rejected(str(exc)) from exc
+        ids = self.prompt_ids(text, req.add_special_tokens)
         role = "assistant" if req.add_generation_prompt else str(req.messages[-1]["role"])
         max_tokens = [self._max_tokens(len(ids), requested)]
         return Plan(True, self._request_id(request, "chatcmpl"), [len(ids)], max_tokens, n, bool(req.stream),
-                    include_usage, continuous, req.ignore_eos, role, [ids], **self._kv_keys(body),
+                    include_usage, continuous, req.ignore_eos, role, [ids], **self.kv_keys(body),
                     **self._length_asks(body, max_tokens))
 
     def _plan_completion(self, body: dict[str, Any], request: Request) -> Plan:
         if body.get("prompt") in (None, ""):
-            raise _Rejected("Either prompt or prompt_embeds must be provided and non-empty.", "prompt",
+            raise Rejected("Either prompt or prompt_embeds must be provided and non-empty.", "prompt",
                             in_validator=True)
         self._check_stream_options(body)
         self._check_cache_salt(body)
         req = CompletionBody.model_validate(body)
         include_usage, continuous = self._usage_flags(req.stream_options)
-        self._check_model(req.model)
+        self.check_model(req.model)
         self._check_n(req.n)
         prompt = req.prompt
         if prompt is None or len(prompt) == 0:
-            raise _Rejected("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
+            raise Rejected("Either prompt or prompt_embeds must be provided and non-empty.", "prompt")
         self._check_output_limit(req.max_tokens, "max_tokens")
         prompts: list[list[int]] = []
         if isinstance(prompt, str):
-            prompts.append(self._prompt_ids(prompt, req.add_special_tokens))
+            prompts.append(self.prompt_ids(prompt, req.add_special_tokens))
         else:
             for item in prompt:
                 if isinstance(item, str):
-                    prompts.append(self._prompt_ids(item, req.add_special_tokens))
+                    prompts.append(self.prompt_ids(item, req.add_special_tokens))
                 elif isinstance(item, int):
                     prompts = [cast(list[int], prompt)]
                     break
@@ -434,13 +381,13 @@ class _SimApp:
         counts = [len(ids) for ids in prompts]
         limits = [self._max_tokens(count, req.max_tokens) for count in counts]
         return Plan(False, self._request_id(request, "cmpl"), counts, limits, req.n, bool(req.stream),
-                    include_usage, continuous, req.ignore_eos, prompt_ids=prompts, **self._kv_keys(body),
+                    include_usage, continuous, req.ignore_eos, prompt_ids=prompts, **self.kv_keys(body),
                     **self._length_asks(body, limits))
 
     # -- answering ------------------------------------------------------------------------------------
 
-    async def _respond_when_done(self, receive: Receive, send: Send, plan: Plan, run: _Run) -> None:
-        gone = asyncio.ensure_future(_until_disconnect(receive))
+    async def _respond_when_done(self, receive: Receive, send: Send, plan: Plan, run: Run) -> None:
+        gone = asyncio.ensure_future(until_disconnect(receive))
         done = asyncio.ensure_future(run.finished.wait())
         try:
             await asyncio.wait({gone, done}, return_when=asyncio.FIRST_COMPLETED)
@@ -455,13 +402,13 @@ class _SimApp:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
-    async def _stream(self, scope: Scope, receive: Receive, send: Send, plan: Plan, run: _Run) -> None:
+    async def _stream(self, scope: Scope, receive: Receive, send: Send, plan: Plan, run: Run) -> None:
         assert run.events is not None
         events = run.events
         die_after = self.config.fault_after_chunks if self.config.fault is Fault.DIE_MID_STREAM else None
 
         async def watch() -> None:
-            await _until_disconnect(receive)
+            await until_disconnect(receive)
             events.put_nowait((None, 0, None))
 
         watcher = asyncio.ensure_future(watch())
@@ -515,9 +462,9 @@ class _SimApp:
             if fault is Fault.RESET:
                 _drop_connection(scope)
                 return
-            await _until_disconnect(receive)
+            await until_disconnect(receive)
 
-        return _asgi(hang_or_reset)
+        return asgi(hang_or_reset)
 
     # -- the other endpoints --------------------------------------------------------------------------
 
@@ -539,19 +486,19 @@ class _SimApp:
         if isinstance(body, JSONResponse):
             return body
         try:
-            self._check_model(body.get("model"))
+            self.check_model(body.get("model"))
             if "messages" in body:
                 if body.get("continue_final_message") and body.get("add_generation_prompt"):
-                    raise _Rejected("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+                    raise Rejected("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
                 text = self.counter.chat_text(body["messages"], body.get("tools"), chat_template_kwargs(body))
                 ids = self.counter.encode(text, bool(body.get("add_special_tokens", False)))
             elif isinstance(body.get("prompt"), str):
                 ids = self.counter.encode(body["prompt"], bool(body.get("add_special_tokens", True)))
             else:
-                raise _Rejected("Either `prompt` (a string) or `messages` must be given.", "prompt")
+                raise Rejected("Either `prompt` (a string) or `messages` must be given.", "prompt")
         except ChatTemplateError as exc:
             return self.error(str(exc))
-        except _Rejected as exc:
+        except Rejected as exc:
             return self.error(exc.message, exc.err_type, exc.status, exc.param)
         return JSONResponse({"count": len(ids), "max_model_len": self.config.max_model_len, "tokens": ids,
                              "token_strs": None})
@@ -607,8 +554,6 @@ class _Guard:
 def create_sim_app(config: SimConfig) -> Any:
     """The simulator's ASGI app; ``app.state.sim`` is its :class:`Simulator`, or with ``data_parallel_size`` over
     1 its :class:`DataParallelSimulator`."""
-    from .routes import SimRoutes  # it builds on this module's helpers
-
     sim = Simulator(config) if config.data_parallel_size == 1 else DataParallelSimulator(config)
     handlers = _SimApp(sim)
     more = SimRoutes(handlers)

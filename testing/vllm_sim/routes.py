@@ -24,9 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Send
 
-from .app import _asgi, _Rejected, _Run, _until_disconnect
 from .dp import RANK_HEADER
 from .engine import Sequence
+from .handling import Handlers, Rejected, Run, asgi, until_disconnect
 from .text import ChatTemplateError
 from .wire import token_text
 
@@ -39,9 +39,10 @@ _CUSTOM_TOOL_PARAMETERS = {
 
 
 class SimRoutes:
-    """Handlers for the simulator's app; ``app`` is its ``_SimApp`` (errors, body reading, counter, engine)."""
+    """Handlers for the simulator's app; ``app`` is the app's own handlers, as ``Handlers`` (handling.py) names what
+    of them these use (errors, body reading, counter, engine, checks)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Handlers) -> None:
         self.app = app
 
     async def _answer(self, request: Request, plan: Any) -> Response:
@@ -50,10 +51,10 @@ class SimRoutes:
             return body
         self.app.sim.record_request(body, request.headers.get(RANK_HEADER))
         try:
-            self.app._check_model(body.get("model"))
+            self.app.check_model(body.get("model"))
             result: Response = await plan(body, request)
             return result
-        except _Rejected as exc:
+        except Rejected as exc:
             error: Response = self.app.error(exc.message, exc.err_type, exc.status, exc.param)
         except ChatTemplateError as exc:
             error = self.app.error(str(exc))
@@ -67,16 +68,16 @@ class SimRoutes:
         app = self.app
         limit = app.config.max_model_len
         if body.get("background"):
-            raise _Rejected("This vLLM engine does not support `store=True` and therefore does not support the "
+            raise Rejected("This vLLM engine does not support `store=True` and therefore does not support the "
                             "background mode. To enable these features, set the environment variable "
                             "`VLLM_ENABLE_RESPONSES_API_STORE=1` when launching the vLLM server.",
                             "background", "invalid_request_error")
         if body.get("previous_response_id") is not None:
-            raise _Rejected(f"Response with id '{body['previous_response_id']}' not found.", "response_id",
+            raise Rejected(f"Response with id '{body['previous_response_id']}' not found.", "response_id",
                             "invalid_request_error", 404)
         requested = body.get("max_output_tokens")
         if requested is not None and requested > limit:
-            raise _Rejected(f"max_output_tokens={requested} cannot be greater than max_model_len={limit}. Please "
+            raise Rejected(f"max_output_tokens={requested} cannot be greater than max_model_len={limit}. Please "
                             "request fewer output tokens.", "max_output_tokens")
         items = body["input"]
         last = items[-1] if isinstance(items, list) and items else None
@@ -88,28 +89,28 @@ class SimRoutes:
         if effort is not None:
             kwargs.update(reasoning_effort=effort, enable_thinking=effort != "none")
         text = app.counter.chat_text(_messages(body.get("instructions"), items), _tools(body.get("tools")), kwargs)
-        ids = app._prompt_ids(text, True)
+        ids = app.prompt_ids(text, True)
         prompt = len(ids)
         if prompt > limit:
-            raise _Rejected(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+            raise Rejected(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
                             f"at least {prompt} input tokens, which exceeds this limit even without any output "
                             "tokens. Please reduce the length of the input prompt.", "input_tokens")
         if prompt >= limit:
-            raise _Rejected(f"The engine prompt length {prompt} exceeds the max_model_len {limit}. Please reduce "
+            raise Rejected(f"The engine prompt length {prompt} exceeds the max_model_len {limit}. Please reduce "
                             "prompt.", "input", "invalid_request_error")
         max_tokens = limit - prompt if requested is None else min(requested, limit - prompt)
-        run = _Run(1, bool(body.get("stream")))
+        run = Run(1, bool(body.get("stream")))
         target = app.sim.output_length(app.sim.request_count - 1, max_tokens, bool(body.get("ignore_eos")))
-        keys = app._kv_keys(body)
+        keys = app.kv_keys(body)
         run.seqs += app.sim.submit(ids, 1, max_tokens, target, run.on_token, lora=keys["lora"],
                                    cache_salt=keys["cache_salt"])
         shape = _ResponseShape(body, keys["model"], prompt, max_tokens)
         if body.get("stream"):
-            return _asgi(lambda receive, send: self._stream(receive, send, run, shape))
-        return _asgi(lambda receive, send: self._respond_when_done(receive, send, run, shape))
+            return asgi(lambda receive, send: self._stream(receive, send, run, shape))
+        return asgi(lambda receive, send: self._respond_when_done(receive, send, run, shape))
 
-    async def _respond_when_done(self, receive: Receive, send: Send, run: _Run, shape: _ResponseShape) -> None:
-        gone = asyncio.ensure_future(_until_disconnect(receive))
+    async def _respond_when_done(self, receive: Receive, send: Send, run: Run, shape: _ResponseShape) -> None:
+        gone = asyncio.ensure_future(until_disconnect(receive))
         done = asyncio.ensure_future(run.finished.wait())
         try:
             await asyncio.wait({gone, done}, return_when=asyncio.FIRST_COMPLETED)
@@ -125,12 +126,12 @@ class SimRoutes:
                     "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": payload})
 
-    async def _stream(self, receive: Receive, send: Send, run: _Run, shape: _ResponseShape) -> None:
+    async def _stream(self, receive: Receive, send: Send, run: Run, shape: _ResponseShape) -> None:
         assert run.events is not None
         events = run.events
 
         async def watch() -> None:
-            await _until_disconnect(receive)
+            await until_disconnect(receive)
             events.put_nowait((None, 0, None))
 
         watcher = asyncio.ensure_future(watch())
@@ -188,7 +189,7 @@ class SimRoutes:
         elif isinstance(raw, list) and raw and all(isinstance(p, list) and p for p in raw):
             counts = [self._ids(body, p) for p in raw]
         else:
-            raise _Rejected("1 validation error:\n  {'type': 'missing', 'loc': ('body', 'input'), 'msg': 'Field "
+            raise Rejected("1 validation error:\n  {'type': 'missing', 'loc': ('body', 'input'), 'msg': 'Field "
                             "required'}", "input", "Bad Request")
         return JSONResponse(_pooling_body(kind, self.app.config.model, counts))
 
@@ -203,7 +204,7 @@ class SimRoutes:
         firsts = first if isinstance(first, list) else [first]
         seconds = second if isinstance(second, list) else [second]
         if len(firsts) > 1 and len(firsts) != len(seconds):
-            raise _Rejected("Input lengths must be either 1:1, 1:N or N:N")
+            raise Rejected("Input lengths must be either 1:1, 1:N or N:N")
         if len(firsts) == 1:
             firsts = firsts * len(seconds)
         counts = [self._pair_tokens(body, a, b) for a, b in zip(firsts, seconds, strict=True)]
@@ -226,7 +227,7 @@ class SimRoutes:
         limit: int = self.app.config.max_model_len
         truncate = body.get("truncate_prompt_tokens")
         if truncate is not None and truncate > limit:
-            raise _Rejected(f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = {limit}. "
+            raise Rejected(f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len = {limit}. "
                             "Please request a smaller truncation size.", "truncate_prompt_tokens")
         return limit if truncate == -1 else truncate
 
@@ -236,7 +237,7 @@ class SimRoutes:
             tokens = max(tokens, limit)
         if tokens > limit:
             qualifier = "at least " if tokens == limit + 1 else ""
-            raise _Rejected(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
+            raise Rejected(f"This model's maximum context length is {limit} tokens. However, your prompt contains "
                             f"{qualifier}{tokens} input tokens, which exceeds this limit even without any output "
                             "tokens. Please reduce the length of the input prompt.", "input_tokens")
         return tokens
