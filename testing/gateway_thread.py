@@ -42,7 +42,8 @@ class GatewayServer:
 
     def status(self) -> dict[str, Any]:
         async def get() -> dict[str, Any]:
-            return self.parts.admission.status()
+            status: dict[str, Any] = self.parts.local_admission().status()
+            return status
 
         result: dict[str, Any] = self.call(get)
         return result
