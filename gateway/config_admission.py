@@ -81,10 +81,16 @@ class AdmissionFields(BaseModel):
         "held requests longer than the wait below), an arriving request may wait as long as the engine's first "
         "token takes when it is not overloaded (at least 1 s), and one forecast to miss that is refused at once "
         "(503 deadline); a burst that arrives at once is queued whole. SECONDS: every request forecast to get no "
-        "first token within this is refused at once, so that admitted requests stay within it. Under either, a "
-        "queued request is refused once its wait and the engine's time to a first token now pass the objective "
-        "(2x the wait under auto), and the requests in flight are capped while the engine's first tokens take "
-        "more than half of it. off: only --queue-timeout and the clients' deadlines."
+        "first token within this is refused at once, so that admitted requests stay within it, a queued request is "
+        "refused once its wait and the engine's time to a first token now pass it, and the requests in flight are "
+        "capped while the engine's first tokens take more than half of it (under auto too with "
+        "--sustained-feedback on). off: only --queue-timeout and the clients' deadlines."
+    )
+    sustained_feedback: Literal["on", "off"] = Field(
+        "off", description="on: under --ttft-objective auto, the derived objective (twice the wait) is held as "
+        "--ttft-objective SECONDS is while the overload is sustained (a queued request refused once known late, the "
+        "requests in flight capped on the engine's first tokens), the overload stays sustained while arrivals are "
+        "refused, and first tokens meanwhile are not taken for the engine's unhurried time. off: as before."
     )
     max_concurrency: int | None = Field(
         None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."

@@ -66,7 +66,8 @@ class Admission:
         self._idle.set()
         self._drain = Drain()
         self._forecast = Forecast(enabled=settings.shed_early == "on", timeout=settings.queue_timeout, clock=clock)
-        self._deadlines = Deadlines(settings.queue_timeout, settings.ttft_objective, clock)
+        self._deadlines = Deadlines(settings.queue_timeout, settings.ttft_objective, clock,
+                                    feedback=settings.sustained_feedback == "on")
         self._checkpoint_spacing = settings.scrape_interval / 4
         self._gauges = LoadGauges(metrics)
         on = settings.fair_queueing == "on" and settings.tenant_headroom == "on"
@@ -372,8 +373,7 @@ class Admission:
     def _capacity(self) -> Capacity | None:
         """The capacity, after recounting every need if the engine's block size or prefix caching changed."""
         primary = self._sites.primary
-        cap = primary.capacity()
-        sharing = primary.kv.prefix_sharing()
+        cap, sharing = primary.capacity(), primary.kv.prefix_sharing()
         if (cap is not None and cap.block_size != self._block_size) or sharing != self._sharing:
             self._rebase(cap.block_size if cap is not None else self._block_size, sharing)
         return cap

@@ -120,12 +120,17 @@ def _quantile(samples: Iterable[float]) -> float | None:
 
 class Deadlines:
     def __init__(
-        self, queue_timeout: float, objective: float | str | None, clock: Callable[[], float]
+        self, queue_timeout: float, objective: float | str | None, clock: Callable[[], float], *,
+        feedback: bool = False,
     ) -> None:
-        """``objective``: the operator's seconds, ``"auto"`` (derived under a sustained overload) or ``"off"``."""
+        """``objective``: the operator's seconds, ``"auto"`` (derived under a sustained overload) or ``"off"``;
+        ``feedback`` (``--sustained-feedback on``): the derived objective is held as the operator's is, on what
+        happened (a queued request refused once known late, the pace), and the overload stays sustained while
+        arrivals are refused; off, it judges arrivals only."""
         self.queue_timeout = queue_timeout
         self.objective = objective if isinstance(objective, int | float) else None
-        self.sustained = SustainedOverload(enabled=objective == "auto")
+        self.feedback = feedback
+        self.sustained = SustainedOverload(enabled=objective == "auto", refusals_count=feedback)
         self.first_tokens = FirstTokens(clock)
         self.pace = Pace()
         self._clock = clock
@@ -163,7 +168,7 @@ class Deadlines:
         aims = [self.objective] if self.objective is not None else []
         if derived and (wait := self.sustained.wait(self.unhurried())) < allowed:
             limit = WaitLimit(min(wait, self.queue_timeout), True, engine, derived=True)
-            aims.append(self.sustained.objective(self.unhurried()))
+            aims += [self.sustained.objective(self.unhurried())] if self.feedback else []
         elif allowed < self.queue_timeout:
             limit = WaitLimit(allowed, True, engine)
         else:
@@ -176,7 +181,8 @@ class Deadlines:
         overload is sustained; None: none (a burst is queued whole)."""
         if self.objective is not None:
             return self.objective
-        return self.sustained.objective(self.unhurried()) if self.sustained.applies(self._clock()) else None
+        held = self.feedback and self.sustained.applies(self._clock())
+        return self.sustained.objective(self.unhurried()) if held else None
 
     @staticmethod
     def late(limit: WaitLimit | None, waited: float, engine: float) -> bool:
@@ -189,7 +195,7 @@ class Deadlines:
         after its admission; ``queued``: it waited for a release (rather than being admitted as it arrived)."""
         # While an overload is sustained, a request admitted as it arrived still joins a full engine: its time is the
         # load's, not the engine's unhurried one, and the derived wait resting on it would drift up with the load.
-        self.first_tokens.add(seconds, queued=queued or self.sustained.sustained)
+        self.first_tokens.add(seconds, queued=queued or (self.feedback and self.sustained.sustained))
         self.pace.first_token(self._clock(), waited, seconds, limit.objective if limit is not None else None)
 
     def steer(self, in_flight: int, queued: bool, engine_waiting: int | None) -> None:

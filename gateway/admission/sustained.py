@@ -12,10 +12,11 @@ the engine fed; the rest is refused at once, while a retry elsewhere can still h
 The two look alike at first (a queue that builds); they part once requests keep arriving into a queue that has
 held requests a while: the overload is **sustained** once a request that *arrived into a backlog* (one queued
 before it had waited past the derived wait, below) has waited past that wait itself, in the queue or on leaving
-it (admitted, refused or withdrawn), and stays so until the queue has stayed empty, and nobody was refused, for
-``CALM_SECONDS`` (a queue that empties at each release and fills again at the next arrival is still the same
-overload, and so is an empty queue because every arrival is refused at once: ended by that, the overload was seen
-again only once requests queued with their clients' deadlines had waited into it, and those were served late).
+it (admitted, refused or withdrawn), and stays so until the queue has stayed empty for ``CALM_SECONDS`` (a queue
+that empties at each release and fills again at the next arrival is still the same overload). With
+``--sustained-feedback on`` nobody may have been refused meanwhile either: an empty queue because every arrival is
+refused at once is the same overload too (ended by that, the overload was seen again only once requests queued with
+their clients' deadlines had waited into it, and those were served late).
 A burst that arrives at once is queued whole before that happens, and so are its stragglers: vLLM's benchmark
 client sent 2 of a burst of 16 long requests 3.5 s after the others, just after the first were admitted having
 waited 3.5 s, and the rule that took any late departure for a sustained overload refused those two. The first
@@ -58,8 +59,10 @@ CALM_SECONDS = 1.0  # of an empty queue, that end a sustained overload
 class SustainedOverload:
     """Whether the overload is sustained, and the wait the derived objective allows an arriving request then."""
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, refusals_count: bool = False) -> None:
+        """``refusals_count``: a refusal while sustained keeps the queue from being calm (``--sustained-feedback``)."""
         self.enabled = enabled
+        self._refusals_count = refusals_count
         self.sustained = False
         self._empty_since: float | None = None  # when the queue last became empty; None while requests wait
         self._refused_at = -math.inf  # when a request was last refused while the overload was sustained
@@ -86,7 +89,7 @@ class SustainedOverload:
     def refused(self, now: float) -> None:
         """A request was refused at ``now``: while the overload is sustained, the queue is not calm for being empty
         (every arrival may be refused at once into an empty queue while the engine is full)."""
-        if self.sustained:
+        if self.sustained and self._refusals_count:
             self._refused_at = now
 
     def arrived_into_backlog(self, key: object, now: float) -> None:

@@ -209,14 +209,15 @@ def test_the_engine_has_room_for_more_while_its_first_tokens_leave_time_within_t
     assert deadlines.compute_room(in_flight=3) is room
 
 
-@pytest.mark.parametrize(("refused_at", "sustained"), [
-    pytest.param(None, False, id="an empty queue and nobody refused for a second: over"),
-    pytest.param(0.6, True, id="an empty queue because arrivals are refused at once: still sustained"),
+@pytest.mark.parametrize(("feedback", "refused_at", "sustained"), [
+    pytest.param(True, None, False, id="an empty queue and nobody refused for a second: over"),
+    pytest.param(True, 0.6, True, id="an empty queue because arrivals are refused at once: still sustained"),
+    pytest.param(False, 0.6, False, id="--sustained-feedback off: an empty queue for a second ends it"),
 ])
-def test_an_overload_whose_arrivals_are_refused_into_an_empty_queue_stays_sustained(
-    refused_at: float | None, sustained: bool
+def test_with_feedback_an_overload_whose_arrivals_are_refused_into_an_empty_queue_stays_sustained(
+    feedback: bool, refused_at: float | None, sustained: bool
 ) -> None:
-    overload = SustainedOverload(enabled=True)
+    overload = SustainedOverload(enabled=True, refusals_count=feedback)
     overload.left_queue("r", 1.2, 0.0, backlogged=True)
     assert overload.applies(0.0)
     overload.queue(False, 0.0, lambda: 0.0)  # the queue empties
@@ -226,8 +227,8 @@ def test_an_overload_whose_arrivals_are_refused_into_an_empty_queue_stays_sustai
     assert not overload.applies(CALM_SECONDS + 0.7)  # a second with neither
 
 
-def test_first_tokens_while_the_overload_is_sustained_leave_the_unhurried_time_where_it_was() -> None:
-    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: 0.0)
+def test_with_feedback_first_tokens_while_the_overload_is_sustained_leave_the_unhurried_time_where_it_was() -> None:
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: 0.0, feedback=True)
     for _ in range(MIN_SAMPLES):
         deadlines.first_token(0.2, waited=0.0, queued=False, limit=None)  # an engine that was not overloaded
     deadlines.sustained.left_queue("r", 1.2, 0.2, backlogged=True)
@@ -238,9 +239,11 @@ def test_first_tokens_while_the_overload_is_sustained_leave_the_unhurried_time_w
     assert deadlines.status()["engine_first_token_s"] == pytest.approx(3.0)  # the engine's time now still moves
 
 
-async def test_once_sustained_a_request_queued_under_the_derived_wait_is_refused_once_past_the_derived_objective(
+@pytest.mark.parametrize("feedback", ["on", "off"])
+async def test_with_feedback_a_request_queued_under_the_derived_wait_is_refused_once_past_the_derived_objective(
+    feedback: str,
 ) -> None:
-    rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict")
+    rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict", sustained_feedback=feedback)
     running, task = await sustained(rig)
     rig.clock.now += 1.9  # nothing released: within twice the 1-s wait
     rig.adm.tick()
@@ -248,6 +251,15 @@ async def test_once_sustained_a_request_queued_under_the_derived_wait_is_refused
     assert not task.done()
     rig.clock.now += 0.2  # past it
     rig.adm.tick()
+    if feedback == "off":  # the derived objective judges arrivals only: it waits on
+        await settle()
+        assert not task.done()
+        running.pop(0).release()
+        (await task).release()
+        for r in running:
+            r.release()
+        rig.assert_drained()
+        return
     with pytest.raises(errors.DeadlineUnreachable, match=r"past the TTFT objective of 2\.0 s while the overload is "
                        r"sustained \(--ttft-objective auto\)") as caught:
         await task
