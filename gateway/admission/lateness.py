@@ -22,22 +22,12 @@ from typing import Protocol, TypeVar
 from gateway import errors
 from gateway.admission.deadlines import Deadlines, WaitLimit
 from gateway.admission.forecast import ARRIVAL_SHARE
-from gateway.admission.queue import Drain, WaitQueue
+from gateway.admission.queue import Drain, Waiting, WaitQueue
 from gateway.admission.refusals import SUSTAINED
 
 
-class Queued(Protocol):
-    @property
-    def priority(self) -> int: ...
-
-    @property
-    def blocks(self) -> int: ...
-
-    @property
-    def tenant(self) -> str: ...
-
-    @property
-    def weight(self) -> float: ...
+class Queued(Waiting, Protocol):
+    """A waiting request, as the queue reads it, and the limit its wait was judged by."""
 
     @property
     def wait_limit(self) -> WaitLimit | None: ...
