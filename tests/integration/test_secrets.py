@@ -11,6 +11,7 @@ import shlex
 import socketserver
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -230,6 +231,14 @@ def shown_by(gw: GatewayServer) -> dict[str, httpx.Response]:
         }
 
 
+def until_health_says_down(gw: GatewayServer, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    with httpx.Client(base_url=gw.url, timeout=5) as http:
+        while http.get("/health").status_code != 503:
+            assert time.monotonic() < deadline, f"/health still says up after {within:g} s"
+            time.sleep(0.05)
+
+
 def assert_nothing_leaks(answers: dict[str, httpx.Response], caplog: pytest.LogCaptureFixture) -> None:
     for name, r in answers.items():
         assert not leaks(r.text + json.dumps(dict(r.headers))), f"{name}: {r.text}"
@@ -320,6 +329,9 @@ def test_no_error_from_a_misbehaving_upstream_shows_a_secret(
             update={"upstream": with_credentials(url), "api_key": [CLIENT_KEY], "admin_api_key": [ADMIN_KEY]}
         )
         with run_gateway(settings) as gw:
+            # Once its scrapes have failed the engine is known down: a request sent before that reaches the
+            # upstream, and gets the upstream's own fault (a garbage answer is a 502) instead.
+            until_health_says_down(gw)
             answers = shown_by(gw)
     failed = answers["completion"]
     assert (failed.status_code, failed.json()["error"]["code"]) == (status, code), failed.text
