@@ -22,7 +22,7 @@ import pytest
 
 from gateway.config import Settings
 from gateway.tenants.redis import RETRY_SECONDS
-from testing.gateway_thread import GatewayServer, run_gateway
+from testing.gateway_thread import TEST_WORKERS, GatewayServer, run_gateway
 from testing.vllm_sim import SimConfig, SimServer, run_sim_server
 from tests.support.redis_server import RedisServer, running_redis
 
@@ -212,9 +212,21 @@ def test_usage_is_counted_per_tenant_for_the_admin_and_shows_no_key(
 
 # -- reload ------------------------------------------------------------------------------------------
 def rewrite(path: Path, text: str) -> None:
+    """Replace the file whole, as an editor or a deployment does: a poll never reads it half written."""
     before = path.stat().st_mtime_ns
-    path.write_text(text, encoding="utf-8")
-    os.utime(path, ns=(before + 10**9, before + 10**9))
+    staged = path.with_name(path.name + ".new")
+    staged.write_text(text, encoding="utf-8")
+    os.utime(staged, ns=(before + 10**9, before + 10**9))
+    os.replace(staged, path)
+
+
+# Each of the gateway's serving processes watches the keys file on its own: a version is in force everywhere once
+# each of them has counted its reload.
+PROCESSES = int(TEST_WORKERS) if TEST_WORKERS else 1
+
+
+def reloads(gw: GatewayServer, outcome: str) -> float:
+    return metric(gw, f'vllm_guard_keys_file_reloads_total{{outcome="{outcome}"}}') or 0
 
 
 def test_the_keys_file_is_reloaded_without_a_restart_or_a_dropped_request(
@@ -232,12 +244,12 @@ def test_the_keys_file_is_reloaded_without_a_restart_or_a_dropped_request(
         stream = client.completions.create(model="tiny", prompt=prompt(), max_tokens=50, stream=True)
         first = next(iter(stream))
         rewrite(keys_file, KEYS + f"  late:\n    keys: [{late}]\n")
-        eventually(lambda: status_with(late) == 200, "the new key accepted")
+        eventually(lambda: reloads(gw, "ok") >= PROCESSES, "the new version loaded by every process")
+        assert status_with(late) == 200
         rest = list(stream)  # the stream in flight during the reload ends as it would have
     assert first.choices and len(rest) >= OUTPUT - 1
     rewrite(keys_file, "tenants: [\n")
-    eventually(lambda: (metric(gw, 'vllm_guard_keys_file_reloads_total{outcome="error"}') or 0) >= 1,
-               "the bad version seen")
+    eventually(lambda: reloads(gw, "error") >= PROCESSES, "the bad version seen by every process")
     assert status_with(late) == 200 and status_with(SEARCH) == 200  # the previous version stays in force
 
 
