@@ -1,11 +1,12 @@
 """Time-aware booking on real vLLM (CPU build, 31 blocks of 128 tokens for requests): a flood of streamed requests
 through strict with ``--time-aware on`` holds more of them at once than the books allow (a request admitted while
-the others near their end overlaps their ends with its growth), and vLLM reports zero preemptions."""
+the others near their end overlaps their ends with its growth), and vLLM reports zero preemptions. What
+/guard/status shows of the streams it books by time is checked against the simulator, whose pace the test sets
+(``tests/integration/test_admission_flood.py``): sampled here, on two shared cores, it depends on the scheduler."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -78,57 +79,18 @@ def most_at_once(spans: list[tuple[float, float]]) -> int:
 ATTEMPTS = 5  # floods at most, until one shows the overlap (3 once showed none in a full suite run)
 
 
-LONG = 2000  # one stream's tokens: seconds of the engine's work, longer than the gateway waits for a busy core
-SHOW_ATTEMPTS = 3
-
-
-async def shown_while_streaming(client: httpx.AsyncClient, url: str) -> bool:
-    """Whether /guard/status shows a stream it tracks by time while one is surely open. A watcher sampling during
-    a flood on two busy cores can see none (the flood ends between two samples), and so can one beside a short
-    stream: a gateway kept off its core for a second or two reads a 480-token answer whole, its progress and its
-    end at once. A stream of ``LONG`` tokens, read as it comes, with the status polled beside it."""
-    for _ in range(SHOW_ATTEMPTS):
-        seen = asyncio.Event()
-        poller = asyncio.create_task(poll_until_tracked(client, url, seen))
-        try:
-            long = {**body(FLOOD), "max_tokens": LONG}
-            async with client.stream("POST", f"{url}/v1/completions", json=long) as answer:
-                assert answer.status_code == 200, await answer.aread()
-                async for _ in answer.aiter_raw():
-                    if seen.is_set():
-                        break  # left early: the gateway cancels the engine's request and frees its blocks
-        finally:
-            poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poller
-        if seen.is_set():
-            return True
-    return False
-
-
-async def poll_until_tracked(client: httpx.AsyncClient, url: str, seen: asyncio.Event) -> None:
-    while True:
-        status = (await client.get(f"{url}/guard/status")).json()
-        if status["time_aware"]["on"] and status["time_aware"]["tracked_in_flight"] > 0:
-            seen.set()
-            return
-        await asyncio.sleep(0.02)
-
-
 async def test_a_staggered_flood_through_time_aware_strict_runs_more_at_once_and_never_preempts(
     vllm: ServerProcess, time_aware_gateway: ServerProcess
 ) -> None:
     url, metrics = time_aware_gateway.url, f"{vllm.url}/metrics"
     preemptions = scrape_counter(metrics, "vllm:num_preemptions_total")
-    budget, shown, most = 0, False, []
+    budget, most = 0, []
     async with httpx.AsyncClient(timeout=300.0, limits=httpx.Limits(max_connections=FLOOD + 2)) as client:
 
         async def watch(done: asyncio.Event) -> None:
-            nonlocal budget, shown
+            nonlocal budget
             while not done.is_set():
-                status = (await client.get(f"{url}/guard/status")).json()
-                budget = status["budget_blocks"]
-                shown |= status["time_aware"]["on"] and status["time_aware"]["tracked_in_flight"] > 0
+                budget = (await client.get(f"{url}/guard/status")).json()["budget_blocks"]
                 await asyncio.sleep(0.05)
 
         # The gateway books by time only as far as it has seen the streams' progress; when the two shared cores
@@ -145,14 +107,12 @@ async def test_a_staggered_flood_through_time_aware_strict_runs_more_at_once_and
             most.append(most_at_once([(head, end) for _, head, end in answers]))
             if most[-1] > budget // BLOCKS_EACH:
                 break
-        shown = shown or await shown_while_streaming(client, url)
         # A stream left early is released once the gateway sees its client gone.
         for _ in range(600):
             final = (await client.get(f"{url}/guard/status")).json()
             if not final["in_flight"]:
                 break
             await asyncio.sleep(0.05)
-    assert shown  # /guard/status showed the streams whose end it knew
     # The books alone hold at most budget // 4 of these at once; time-aware strict held more. Counted from the
     # streams' own spans: a watcher sampling /guard/status on two busy cores can miss the overlap.
     assert max(most) > budget // BLOCKS_EACH, f"most streams at once in each flood: {most}, budget {budget}"

@@ -438,6 +438,27 @@ async def test_a_client_that_disconnects_mid_stream_releases_its_blocks(
     await eventually(lambda: sim.sim.cancelled == 1 and gw.ledger_is_empty(), "stream cut and released")
 
 
+async def test_a_stream_through_time_aware_strict_shows_in_the_status_once_its_progress_is_known(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
+) -> None:
+    sim = make_sim(token_delay=0.01)  # 400 tokens: four seconds, far longer than the gateway needs to see 17
+    gw = make_gateway(sim, admission_policy="strict", time_aware="on")
+    async with (
+        httpx.AsyncClient(timeout=10.0) as client,
+        client.stream("POST", gw.url + "/v1/completions", json=completion(16, 400, stream=True)) as r,
+    ):
+        assert r.status_code == 200
+        shown: dict[str, Any] = {}
+        async for _ in r.aiter_raw():
+            shown = (await client.get(gw.url + "/guard/status")).json()["time_aware"]
+            if shown["tracked_in_flight"]:
+                break
+        # 16 events may carry no token: past them, the stream's end is known, and where it is.
+        assert shown["on"] and shown["tracked_in_flight"] == 1
+        assert 0 < shown["next_end_step"] < 400
+    await eventually(lambda: gw.ledger_is_empty(), "stream cut and released")
+
+
 async def test_a_cancelled_request_is_aborted_upstream_and_released(
     make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
 ) -> None:
