@@ -55,13 +55,10 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypedDict
+from typing import Protocol, TypedDict
 
-import orjson
-
-from gateway.engine.client import Upstream
 from gateway.engine.live import EngineSnapshot
-from gateway.errors import GatewayError, UpstreamHung
+from gateway.errors import UpstreamHung
 from gateway.metrics import Metrics
 from gateway.periodic import Periodic, cancel_and_wait
 
@@ -73,9 +70,6 @@ DEFAULT_HANG_TIMEOUT = 15.0
 LATE_SCRAPE = 1.0
 # While the API server answers late or not at all, the bound is this many times --hang-timeout.
 BUSY_FACTOR = 3.0
-# A probe answers whether the engine still answers at all: it asks for the least work a completion can be.
-PROBE_BODY = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
-
 # Sends a probe to the engine with a time limit; True when the engine answered it.
 Probe = Callable[[float], Awaitable[bool]]
 Abort = Callable[[UpstreamHung], None]
@@ -126,9 +120,19 @@ class ProgressStatus(TypedDict):
     detail: str | None
 
 
+class Forward(Protocol):
+    """Where a worker process's detector tells what it sees of an engine (streams opened less closed, chunks,
+    whole answers): the authority, whose detector for that engine judges for every process."""
+
+    def __call__(self, *, opened: int = 0, chunks: int = 0, answers: int = 0) -> None: ...
+
+
 class ProgressDetector:
     """Judges one engine's progress on a timer (``tick``) from what the exchange and the engine view tell it,
-    and cuts the requests in flight when it declares the engine hung."""
+    and cuts the requests in flight when it declares the engine hung.
+
+    In a worker process of ``--workers`` it is given ``forward``: it then judges nothing itself (its timer is
+    never started), passes what it sees to the authority, and applies the authority's judgement (``mirror``)."""
 
     def __init__(
         self,
@@ -138,8 +142,10 @@ class ProgressDetector:
         probe: Probe | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        forward: Forward | None = None,
     ) -> None:
         self.timeout = timeout
+        self._forward = forward
         self.probe = probe
         self._metrics = metrics
         self._clock = clock
@@ -198,13 +204,20 @@ class ProgressDetector:
 
     def opened(self) -> None:
         self.in_flight += 1
+        if self._forward is not None:
+            self._forward(opened=1)
 
     def closed(self) -> None:
         self.in_flight -= 1
+        if self._forward is not None:
+            self._forward(opened=-1)
 
     def stream_moved(self) -> None:
         """A chunk arrived on one of the engine's streams (called per chunk: a counter, compared on tick)."""
-        self._events += 1
+        if self._forward is None:
+            self._events += 1
+        else:
+            self._forward(chunks=1)
 
     def note_remote(self, opened: int, chunks: int, answers: int) -> None:
         """What another worker process saw of this engine since it last said (streams opened less closed,
@@ -216,6 +229,8 @@ class ProgressDetector:
     def answered(self) -> None:
         """A whole answer of the engine's was read (the gateway's request completed): the engine did its work."""
         self.answers += 1
+        if self._forward is not None:
+            self._forward(answers=1)
 
     @property
     def bound(self) -> float:
@@ -232,6 +247,18 @@ class ProgressDetector:
 
     def has_work(self) -> bool:
         return self.in_flight > 0 or (self._reading is not None and self._reading.busy)
+
+    def mirror(self, hung: bool, detail: str | None) -> None:
+        """A worker's detector: the authority's judgement, applied here. Becoming hung cuts this process's
+        requests in flight to the engine as the judgement does where it is made."""
+        if hung and self.hung_since is None:
+            self.hung_since = self._clock()
+            self.detail = detail
+            cut = self.error(cut=True)
+            for abort in list(self._watchers.values()):
+                abort(cut)
+        elif not hung:
+            self.hung_since, self.detail = None, None
 
     # -- the judgement ---------------------------------------------------------------------------------
     def tick(self) -> None:
@@ -369,17 +396,3 @@ class ProgressDetector:
             "hung": self.hung, "hang_timeout": self.timeout, "stalled_seconds": round(self.stalled_seconds(), 1),
             "in_flight": self.in_flight, "hangs": self.hangs, "detail": self.detail,
         }
-
-
-async def completion_probe(client: Upstream, model: str | None, timeout: float) -> bool:
-    """One completion of one token sent straight to the engine; True when it answered 200 within ``timeout``."""
-    if model is None:
-        return False
-    body = orjson.dumps({"model": model, **PROBE_BODY})
-    try:
-        reply = await client.request(
-            "POST", "/v1/completions", body=body, headers={"content-type": "application/json"}, timeout=timeout
-        )
-    except GatewayError:
-        return False
-    return reply.status == 200

@@ -4,9 +4,10 @@ The request path (``pipeline.py`` and the stages it calls) is the same in every 
 (``http/assembly.py``) fills these seams with the real parts: ``Admission`` and its ``Reservation``, ``Tenants``
 and its ``Grant``, each engine's ``ProgressDetector``, the ``AccessLog``. A worker of ``--workers``
 (``workers/assembly.py``) fills them with stand-ins that ask the admission authority, or tell it:
-``RemoteAdmission`` and ``RemoteReservation``, ``RemoteTenants`` and ``RemoteGrant``, ``ForwardingProgress``,
-``ForwardedAccessLog``. Each Protocol is the whole of what the request path may rely on, and says the contract
-both sides keep; ``Parts`` and both assemblies are typed on them, so a type checker holds each implementation to it.
+``RemoteAdmission`` and ``RemoteReservation``, ``RemoteTenants`` and ``RemoteGrant``, ``ForwardedAccessLog``; its
+``ProgressDetector`` forwards what it sees to the authority's. Each Protocol is the whole of what the request path
+may rely on, and says the contract both sides keep; ``Parts`` and both assemblies are typed on them, so a type
+checker holds each implementation to it.
 """
 
 from __future__ import annotations

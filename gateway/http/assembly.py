@@ -18,7 +18,8 @@ from gateway.engine.client import Upstream
 from gateway.engine.engine import Engine
 from gateway.engine.health import EngineHealth
 from gateway.engine.live import EngineSnapshot, EngineView
-from gateway.engine.progress import ProgressDetector, completion_probe
+from gateway.engine.probe import completion_probe
+from gateway.engine.progress import ProgressDetector
 from gateway.errors import ConfigInvalid, GatewayError
 from gateway.guard.models import Models
 from gateway.guard.parts import Parts

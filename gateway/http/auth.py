@@ -22,7 +22,9 @@ from starlette.requests import Request
 
 from gateway.config import Settings
 from gateway.errors import AuthenticationFailed
-from gateway.tenants import DEFAULT_TENANT, Tenant, Tenants
+from gateway.guard.parts import Parts
+from gateway.guard.seams import TenantLimits
+from gateway.tenants import DEFAULT_TENANT, Tenant
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +80,17 @@ def identify(settings: Settings, request: Request, *, admin: bool = False) -> Ca
     return Caller(None, tenant) if tenant is not None else Caller(found, unnamed(tenants))
 
 
-def unnamed(tenants: Tenants | None) -> Tenant | None:
+def unnamed(tenants: TenantLimits | None) -> Tenant | None:
     """The tenant of callers the keys file does not name: ``default`` (limited when the file lists it)."""
     return tenants.tenant(DEFAULT_TENANT) if tenants is not None else None
 
 
-def tenants_of(request: Request) -> Tenants | None:
-    """The app's tenants component, once the app has started (None before, and without an app)."""
+def tenants_of(request: Request) -> TenantLimits | None:
+    """The app's tenants component (a worker's reads the keys file too), once the app has started (None before,
+    and without an app)."""
     app = request.scope.get("app")
     parts = getattr(getattr(app, "state", None), "parts", None)
-    tenants = getattr(parts, "tenants", None)
-    return tenants if isinstance(tenants, Tenants) else None
+    return parts.tenants if isinstance(parts, Parts) else None
 
 
 def presented_key(request: Request) -> str:

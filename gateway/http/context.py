@@ -36,12 +36,15 @@ _ID_COUNTER = itertools.count(1)
 
 async def read_context(settings: Settings, request: Request, rid: str, route: str, path: str) -> RequestContext:
     caller = identify(settings, request)
+    # The headers first: a malformed one is refused before a body is read for nothing.
+    rank, policy = priority(settings, request, caller.key, caller_priority(caller)), prompt_policy(request, settings)
+    due, wanted = deadline(request), objective(request)
+    raw = await read_body(request, BodyLimits.of(settings))
     # Parsed on the loop when small, else in a worker; the size decides for every later stage too (offload).
-    body = await offload.decode_body(await read_body(request, BodyLimits.of(settings)), decode_json)
+    body = await offload.decode_body(raw, decode_json)
     return RequestContext(
-        rid, route, path, body, priority=priority(settings, request, caller.key, caller_priority(caller)),
-        deadline=deadline(request), objective=objective(request),
-        prompt_policy=prompt_policy(request, settings), tenant=caller.tenant_name,
+        rid, route, path, body, priority=rank, deadline=due, objective=wanted, prompt_policy=policy,
+        tenant=caller.tenant_name,
         tenant_weight=caller.tenant.weight if caller.tenant is not None else 1.0,
         trace_carrier=carrier_of(request.headers),
     )

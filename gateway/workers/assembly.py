@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from gateway.config import Settings
 from gateway.engine.client import Upstream
@@ -24,41 +25,6 @@ from gateway.guard.parts import Parts
 from gateway.metrics import Metrics
 from gateway.workers.mirror import MirroredEngine, SupervisorMirror
 from gateway.workers.remote import AuthorityClient, ForwardedAccessLog, RemoteAdmission, RemoteTenants
-
-
-class ForwardingProgress(ProgressDetector):
-    """A worker's detector for one engine: what it sees goes to the authority (batched by the client)."""
-
-    def __init__(self, client: AuthorityClient, index: int, settings: Settings, metrics: Metrics) -> None:
-        super().__init__(settings.hang_timeout, metrics=metrics)
-        self._client, self._index = client, index
-
-    def opened(self) -> None:
-        super().opened()
-        self._client.engine_moved(self._index, opened=1)
-
-    def closed(self) -> None:
-        super().closed()
-        self._client.engine_moved(self._index, opened=-1)
-
-    def stream_moved(self) -> None:
-        self._client.engine_moved(self._index, chunks=1)
-
-    def answered(self) -> None:
-        super().answered()
-        self._client.engine_moved(self._index, answers=1)
-
-    def mirror(self, hung: bool, detail: str | None) -> None:
-        """The authority's judgement, applied here: becoming hung cuts this process's requests in flight to the
-        engine as the judgement does where it is made."""
-        if hung and self.hung_since is None:
-            self.hung_since = self._clock()
-            self.detail = detail
-            cut = self.error(cut=True)
-            for abort in list(self._watchers.values()):
-                abort(cut)
-        elif not hung:
-            self.hung_since, self.detail = None, None
 
 
 def _base_url(settings: Settings, supervisors: list[SupervisorMirror], i: int) -> Callable[[], str]:
@@ -90,7 +56,8 @@ async def build_worker_parts(
         view = EngineView(
             upstream.get, interval=settings.scrape_interval, stale_after=settings.metrics_stale_after, metrics=metrics
         )
-        progress = ForwardingProgress(client, i, settings, metrics)
+        # Judged by the authority: what this process sees goes there, batched by the client.
+        progress = ProgressDetector(settings.hang_timeout, metrics=metrics, forward=partial(client.engine_moved, i))
         engines.append(MirroredEngine(upstream, models, view, progress))
     tenants = RemoteTenants(settings, metrics, client)
     parts = Parts(

@@ -11,7 +11,6 @@ from gateway.engine.progress import ProgressDetector
 from gateway.guard.seams import AccessLogging, Admitting, Granted, Held, Progress, TenantLimits
 from gateway.observe.access_log import AccessLog
 from gateway.tenants.service import Grant, Tenants
-from gateway.workers.assembly import ForwardingProgress
 from gateway.workers.remote import ForwardedAccessLog, RemoteAdmission, RemoteGrant, RemoteReservation, RemoteTenants
 
 
@@ -24,6 +23,6 @@ def one_process(
 
 def worker(
     admission: RemoteAdmission, reservation: RemoteReservation, tenants: RemoteTenants, grant: RemoteGrant,
-    progress: ForwardingProgress, access_log: ForwardedAccessLog,
+    progress: ProgressDetector, access_log: ForwardedAccessLog,
 ) -> tuple[Admitting, Held, TenantLimits, Granted, Progress, AccessLogging]:
     return admission, reservation, tenants, grant, progress, access_log

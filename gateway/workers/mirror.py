@@ -88,9 +88,7 @@ class Mirror:
 def apply_state(parts: Parts, mirror: Mirror, supervisors: list[SupervisorMirror], state: State) -> None:
     for engine, seen in zip(parts.every_engine(), state.engines, strict=False):
         if isinstance(engine, MirroredEngine):
-            mirror_hang = getattr(engine.progress, "mirror", None)  # the worker's ``assembly.ForwardingProgress``
-            if mirror_hang is not None:
-                mirror_hang(seen.hung, seen.detail)
+            engine.progress.mirror(seen.hung, seen.detail)
             engine.told = None if seen.refusal is None else error_of(seen.refusal)
         if seen.fingerprint_known and not engine.fingerprint.known:
             engine.fingerprint.learn(seen.fingerprint)

@@ -32,7 +32,7 @@ from gateway.guard.parts import Parts
 from gateway.metrics import Metrics
 from gateway.observe.access_log import AccessLogFormat, AccessRecord
 from gateway.periodic import Periodic
-from gateway.tenants import Tenants
+from gateway.tenants import KeyDirectory, Tenant, Tenants
 from gateway.workers.channel import Channel
 from gateway.workers.liveness import CODE, Liveness
 from gateway.workers.messages import (
@@ -344,16 +344,33 @@ class RemoteUsage:
         self._client.send(Rejected(tenant, reason))
 
 
-class RemoteTenants(Tenants):
-    """The worker's tenants: its keys (read from the keys file here, for authentication), its limits the
-    authority's."""
+class RemoteTenants:
+    """The worker's tenants (``seams.TenantLimits``): its keys read from the keys file here, for authentication;
+    its limits the authority's (``check`` makes a grant that charges there, with the request's first admission)."""
 
     def __init__(self, settings: Settings, metrics: Metrics, client: AuthorityClient) -> None:
-        super().__init__(settings.model_copy(update={"redis_url": None}), metrics)
+        # The keys file and its reload, nothing more: the windows (and Redis) are the authority's.
+        self._keys = Tenants(settings.model_copy(update={"redis_url": None}), metrics)
         self._client = client
-        self.usage = RemoteUsage(client)  # type: ignore[assignment]
+        self.usage = RemoteUsage(client)
 
-    async def check(self, tenant_name: str, *, prompt_tokens: int, output_tokens: int) -> Any:
+    @property
+    def directory(self) -> KeyDirectory:
+        return self._keys.directory
+
+    def identify(self, digest: bytes) -> Tenant | None:
+        return self._keys.identify(digest)
+
+    def tenant(self, name: str) -> Tenant:
+        return self._keys.tenant(name)
+
+    async def start(self) -> None:
+        await self._keys.start()
+
+    async def close(self) -> None:
+        await self._keys.close()
+
+    async def check(self, tenant_name: str, *, prompt_tokens: int, output_tokens: int) -> RemoteGrant:
         return RemoteGrant(self._client, Charge(tenant_name, prompt_tokens, output_tokens))
 
 

@@ -15,7 +15,7 @@ import orjson
 import pytest
 
 from gateway.config import Settings
-from gateway.engine.progress import PROBE_BODY
+from gateway.engine.probe import PROBE_BODY
 from testing.bad_upstream import BadUpstream, full, run_bad_upstream
 from testing.gateway_thread import run_gateway
 from testing.vllm_sim import SimConfig, SimServer, run_sim_server
