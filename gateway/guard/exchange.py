@@ -73,7 +73,7 @@ async def exchange_with_engine(
     ctx.outcome.engine = target.name if target is not None else None
     patience = ctx.deadline if ctx.deadline is not None else parts.settings.queue_timeout
     stream = await open_upstream(
-        parts, engine, ctx.path, body, ctx.request_id, rank, trace, patience, resend=resend
+        parts, engine, ctx.path, body, ctx.request_id, rank, trace, patience, resend=resend, events=booking.stream
     )
     if not booking.stream:
         learner = reservation if booking.learns_output else None
@@ -84,11 +84,6 @@ async def exchange_with_engine(
         reservation.release(completed=booking.learns_output)
         yield Reply(ctx.outcome.headers(), payload)
         return
-    try:
-        require_event_stream(stream)
-    except GatewayError:
-        close(parts, engine, stream)
-        raise
     relay = EngineStream(parts, engine, ctx.route, stream, reservation, ask)
     ctx.outcome.output = reservation  # counts the stream's tokens as they are relayed
     try:
@@ -101,10 +96,12 @@ async def exchange_with_engine(
 async def open_upstream(
     parts: Parts, engine: Engine[Models], path: str, body: bytes, rid: str, rank: int | None = None,
     trace: Mapping[str, str] | None = None, patience: float | None = None, *, resend: bool = True,
+    events: bool = False,
 ) -> UpstreamStream:
-    """The upstream's answer once its status is 200 (its error, normalised, otherwise); counted in flight
-    until closed by the caller. ``patience``: seconds the request may wait for a connection (an engine whose
-    API server accepts late is waited on within the request's own time, not failed at --connect-timeout);
+    """The upstream's answer once its status is 200, and (``events``) once it is an event stream; its error,
+    normalised, otherwise. Counted in flight until closed by the caller. ``patience``: seconds the request may
+    wait for a connection (an engine whose API server accepts late is waited on within the request's own time,
+    not failed at --connect-timeout);
     ``rank``: the data-parallel engine behind ``engine``'s URL to run it on;
     ``trace``: the W3C trace headers that make the engine's spans children of the gateway's exchange;
     ``resend``: whether the client may send it once more when the engine cannot have read it (``Upstream.open``)."""
@@ -132,6 +129,12 @@ async def open_upstream(
         if isinstance(error, EngineQueueFull):
             engine.queue_cap.refused(error.retry_after or 0.0)  # nothing more placed on it for now
         raise error
+    if events:
+        try:
+            require_event_stream(stream)
+        except GatewayError:
+            close(parts, engine, stream)
+            raise
     return stream
 
 

@@ -14,7 +14,7 @@ from gateway.guard.seams import AccessLogging, Admitting, Held, TenantLimits
 from gateway.metrics import Metrics
 from gateway.observe.access_log import AccessLog
 from gateway.observe.history import Sampler
-from gateway.observe.tracing import Tracing
+from gateway.observe.tracing import NoTracing, Tracing
 from gateway.tenants import Tenants
 
 if TYPE_CHECKING:  # imported only in managed mode: it loads the GPU and process tooling
@@ -38,7 +38,7 @@ class Parts:
     # Managed mode with several engines: one supervisor per engine (the first is ``supervisor``), restarts rolling.
     supervisors: list[Supervisor] = field(default_factory=list)
     rolling: RollingRestarts | None = None  # managed mode: restarts asked for or scheduled
-    tracing: Tracing = field(default_factory=Tracing)  # requests' traces (--otlp-traces-endpoint; no-op without)
+    tracing: Tracing = field(default_factory=NoTracing)  # requests' traces (--otlp-traces-endpoint; no-op without)
     access_log: AccessLogging = field(init=False)  # one line per guarded request (--access-log)
     # With --workers: the other worker processes' metric families, gathered when /metrics is read.
     worker_metrics: Callable[[], Awaitable[list[Any]]] | None = None

@@ -32,7 +32,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from gateway import __version__
 from gateway.clip import clip
 from gateway.errors import GatewayError
-from gateway.observe.tracing import AttrValue, Generated, RequestTrace, Tracing
+from gateway.observe.tracing import AttrValue, Generated, RequestTrace
 
 SCOPE = "vllm_guard"
 # A stream's events that may carry what the request's span reports at its end (the last chunks).
@@ -42,7 +42,7 @@ _USAGE = re.compile(rb'"usage":\s*\{')
 EXCEPTION_CHARS = 8192
 
 
-class OtelTracing(Tracing):
+class OtelTracing:
     def __init__(self, url: str) -> None:
         resource = Resource.create()  # OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES, as the SDK reads them
         if str(resource.attributes.get(SERVICE_NAME, "unknown_service")).startswith("unknown_service"):
@@ -65,7 +65,7 @@ class OtelTracing(Tracing):
         await asyncio.to_thread(self.provider.shutdown)
 
 
-class OtelRequestTrace(RequestTrace):
+class OtelRequestTrace:
     """One request's span (kind server) with a child span per stage, each ended exactly once."""
 
     __slots__ = ("_admitting", "_done", "_first", "_open", "_operation", "_outcome", "_reasons", "_span", "_tracer")

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from gateway.config import Settings
 from gateway.errors import ConfigInvalid
-from gateway.observe.tracing import Tracing
+from gateway.observe.tracing import NoTracing, Tracing
 
 # OTLP/HTTP's path for traces, appended to an endpoint given without one (the collector's base URL).
 OTLP_TRACES_PATH = "/v1/traces"
@@ -31,7 +31,7 @@ def start_tracing(settings: Settings) -> Tracing:
     """The no-op ``Tracing`` without an endpoint; else one exporting to it with the OpenTelemetry SDK (imported
     only then)."""
     if settings.otlp_traces_endpoint is None:
-        return Tracing()
+        return NoTracing()
     url = traces_url(settings.otlp_traces_endpoint)
     from gateway.observe.otel import OtelTracing
 

@@ -4,8 +4,9 @@ vLLM (``--otlp-traces-endpoint``).
 The pipeline calls small hooks on the request's ``RequestTrace``: a named stage (``stage``: parse, count,
 tenant, exchange), the attributes it learned (``set_attributes``), admission and its wait in the queue (``admitting``,
 ``admitted``), the headers that carry the trace to the engine (``headers``), the engine's answer (``answer``,
-``stream``), a failure (``fail``), the end (``end``). This module holds the no-op versions, used when tracing is
-off: each hook costs one method call, and the OpenTelemetry SDK is never imported. With an endpoint,
+``stream``), a failure (``fail``), the end (``end``). This module declares them (``RequestTrace``, ``Tracing``) and
+holds the no-op versions, used when tracing is off: each hook costs one method call, and the OpenTelemetry SDK is
+never imported. With an endpoint,
 ``start_tracing`` (``gateway/observe/trace_export.py``) builds the SDK-backed ``Tracing`` of
 ``gateway/observe/otel.py``.
 
@@ -34,15 +35,12 @@ class Generated(Protocol):
     def generated(self) -> int: ...
 
 
-class RequestTrace:
-    """One request's spans. This base class is the no-op one: tracing is off."""
-
-    __slots__ = ()
+class RequestTrace(Protocol):
+    """One request's spans: what the request path tells them. ``NoTrace`` (tracing off) and ``otel.OtelRequestTrace``
+    keep it."""
 
     def stage(self, name: str, attributes: Mapping[str, AttrValue] | None = None) -> AbstractContextManager[None]:
-        """A child span of the request's span around one stage; an exception leaving it marks it failed. Off:
-        one shared no-op context, not a generator per stage."""
-        return _NO_STAGE
+        """A child span of the request's span around one stage; an exception leaving it marks it failed."""
 
     def set_attributes(self, attributes: Mapping[str, AttrValue | None]) -> None:
         """Attributes of the request's span (None values are left out)."""
@@ -55,7 +53,6 @@ class RequestTrace:
 
     def headers(self) -> dict[str, str]:
         """The trace context to send the engine: its parent is the innermost stage open now."""
-        return {}
 
     def answer(self, payload: bytes) -> None:
         """A whole answer from the engine: its usage and finish reasons."""
@@ -75,23 +72,70 @@ class RequestTrace:
 
     def trace_id(self) -> str | None:
         """The request's trace id (32 hex digits) for the access log; None while tracing is off."""
+
+
+class NoTrace:
+    """A request's trace while tracing is off: every hook does nothing, for the cost of one method call."""
+
+    __slots__ = ()
+
+    def stage(self, name: str, attributes: Mapping[str, AttrValue] | None = None) -> AbstractContextManager[None]:
+        return _NO_STAGE  # one shared no-op context, not a generator per stage
+
+    def set_attributes(self, attributes: Mapping[str, AttrValue | None]) -> None:
+        pass
+
+    def admitting(self) -> None:
+        pass
+
+    def admitted(self, waited_ms: float) -> None:
+        pass
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+    def answer(self, payload: bytes) -> None:
+        pass
+
+    def stream_events(self, events: list[bytes]) -> None:
+        pass
+
+    def stream_end(self, counted: Generated, outcome: str, error: BaseException | None = None) -> None:
+        pass
+
+    def fail(self, exc: BaseException) -> None:
+        pass
+
+    def end(self) -> None:
+        pass
+
+    def trace_id(self) -> str | None:
         return None
 
 
 _NO_STAGE: AbstractContextManager[None] = contextlib.nullcontext()
-OFF = RequestTrace()
+OFF: RequestTrace = NoTrace()
 
 
-class Tracing:
-    """Where requests' traces go; this base class is the no-op one (no ``--otlp-traces-endpoint``)."""
+class Tracing(Protocol):
+    """Where requests' traces go: ``NoTracing`` (no ``--otlp-traces-endpoint``) or ``otel.OtelTracing``."""
 
     def start(self, route: str, carrier: Mapping[str, str], operation: str | None = None) -> RequestTrace:
         """A request's trace, continuing the client's (``carrier``: its W3C trace headers), else a new one.
         ``operation``: its ``gen_ai.operation.name`` (the route's name when it has none of the well-known ones)."""
-        return OFF
 
     async def close(self) -> None:
         """Export what is still buffered, then stop exporting (on shutdown)."""
+
+
+class NoTracing:
+    """Tracing off: every request's trace is ``OFF``."""
+
+    def start(self, route: str, carrier: Mapping[str, str], operation: str | None = None) -> RequestTrace:
+        return OFF
+
+    async def close(self) -> None:
+        pass
 
 
 # W3C Trace Context (www.w3.org/TR/trace-context/#traceparent-header): version "-" trace-id "-" parent-id "-"

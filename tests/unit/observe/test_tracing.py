@@ -16,7 +16,7 @@ from gateway.errors import ContextLengthExceeded, UpstreamUnavailable
 from gateway.observe import otel
 from gateway.observe.otel import OtelRequestTrace, OtelTracing
 from gateway.observe.trace_export import start_tracing
-from gateway.observe.tracing import OFF, TRACESTATE_CHARS, Tracing, carrier_of, trace_id_of_traceparent
+from gateway.observe.tracing import OFF, TRACESTATE_CHARS, NoTracing, carrier_of, trace_id_of_traceparent
 
 
 @dataclass
@@ -26,7 +26,7 @@ class Counted:
 
 async def test_without_an_endpoint_every_hook_is_a_no_op() -> None:
     tracing = start_tracing(Settings())
-    assert type(tracing) is Tracing
+    assert type(tracing) is NoTracing
     trace = tracing.start("chat", {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"})
     assert trace is OFF
     with trace.stage("parse"):
