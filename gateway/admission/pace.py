@@ -80,7 +80,10 @@ class Pace:
         ``engine_waiting``: requests waiting inside the engine (its own queue)."""
         while self._samples and self._samples[0].admitted_at < now - WINDOW_SECONDS:
             self._samples.popleft()
-        if objective is None:
+        if objective is None or (not self._samples and not in_flight and not queued):
+            # Without an objective there is no cap; with nothing run or asked for over a whole window, the cap
+            # rests on evidence of a load that has gone (a low cap learned in one overload held the next one's
+            # first seconds to it, and refused what the engine could serve).
             self.cap, self._since = None, -math.inf
             return
         if now - self._last_step < STEP_SECONDS:

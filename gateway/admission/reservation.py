@@ -60,7 +60,8 @@ class Admitter(Protocol):
         """Give back what ``reservation`` holds, or withdraw it from the queue (idempotent)."""
 
     def first_token(self, reservation: Reservation, seconds: float) -> None:
-        """``reservation``'s first token was streamed ``seconds`` after its admission."""
+        """``reservation``'s first token was streamed ``seconds`` after it was sent to its engine (after its
+        admission where it was not told apart)."""
 
 
 class Reservation:
@@ -82,6 +83,7 @@ class Reservation:
         self.wait_limit: WaitLimit | None = None  # how long it may wait in the queue, set as it enters
         self.due: float | None = None  # when an objective wanted it admitted by, where one judged it as it arrived
         self._admitted_at: float | None = None
+        self._sent_at: float | None = None  # when the request path began writing it to its engine
         self.avoid = avoid  # engines not to place it on (one failed under it already)
         self.target: Destination | None = None  # where it was placed, once admitted
         self._clock = clock
@@ -199,6 +201,14 @@ class Reservation:
             self._cut = True
         self.release()
 
+    def sent(self) -> None:
+        """The request path begins writing the request to its engine. What came between the admission and this
+        (the waiting task's turn on the event loop, the engine's body) is the gateway's own time: counted into
+        the engine's time to a first token, a gateway short of CPU (its loop 0.7 s late a wakeup beside vLLM's CPU
+        build, docs/realistic.md) read as a slow engine, and the pace cut the engine's work for it."""
+        if self._admitted_at is not None and self._sent_at is None:
+            self._sent_at = self._clock()
+
     def release(self, *, completed: bool = True) -> None:
         """Give the blocks back (idempotent). On a queued reservation: withdraw it; its wait is cancelled.
 
@@ -214,8 +224,10 @@ class Reservation:
             return
         now = self._clock()
         if self._generated == 0 and self._admitted_at is not None and 0 < generated <= self.n:
-            # A stream's first token (a whole answer reports all its tokens at once, and is no sample).
-            self._admitter.first_token(self, now - self._admitted_at)
+            # A stream's first token (a whole answer reports all its tokens at once, and is no sample): the engine's
+            # time counts from the request's write, not from its admission (``sent``).
+            start = self._sent_at if self._sent_at is not None else self._admitted_at
+            self._admitter.first_token(self, now - start)
         self._generated = generated
         self._observed = True
         if not self._checkpoints or now - self._checkpoints[-1][0] >= self._checkpoint_spacing:

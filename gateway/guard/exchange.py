@@ -72,6 +72,7 @@ async def exchange_with_engine(
     rank = target.rank if target is not None else None
     ctx.outcome.engine = target.name if target is not None else None
     patience = ctx.deadline if ctx.deadline is not None else parts.settings.queue_timeout
+    reservation.sent()
     stream = await open_upstream(
         parts, engine, ctx.path, body, ctx.request_id, rank, trace, patience, resend=resend, events=booking.stream
     )

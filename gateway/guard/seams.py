@@ -39,6 +39,10 @@ class Held(Protocol):
         """The engine's count of what it generated so far: it grows the booking the request holds, and teaches
         admission how long outputs really are."""
 
+    def sent(self) -> None:
+        """The request is about to be written to its engine: the engine's time to a first token counts from here
+        (what came before it since the admission is the gateway's own)."""
+
     def release(self, *, completed: bool = True) -> None:
         """Free what it holds, exactly once: calls after the first (or before the admission) do nothing, so that
         every exit of the request path may call it. ``completed``: the engine finished it (an aborted one must

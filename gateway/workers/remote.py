@@ -244,6 +244,11 @@ class RemoteReservation:
             self.generated = generated
             self._client.progress(self.key, generated)
 
+    def sent(self) -> None:
+        # The authority times a first token from its own admission, to the progress that brings it (batched every
+        # flush): the worker's write to the engine is not told apart there.
+        return
+
     def admitted(self, reply: Admitted) -> None:
         self.target = reply.target
         self.queue_ms = reply.waited_ms

@@ -64,6 +64,7 @@ class FakeReservation:
     def __init__(self) -> None:
         self.observed: list[int] = []
         self.released: list[bool] = []
+        self.sends = 0  # times the exchange said it was writing the request to the engine
         self.target = None  # not placed: the gateway's one engine
 
     @property
@@ -72,6 +73,9 @@ class FakeReservation:
 
     def observe_output_tokens(self, generated: int) -> None:
         self.observed.append(generated)
+
+    def sent(self) -> None:
+        self.sends += 1
 
     def release(self, *, completed: bool = True) -> None:
         self.released.append(completed)

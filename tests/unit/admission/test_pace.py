@@ -91,6 +91,24 @@ def test_without_an_objective_there_is_no_cap_and_old_first_tokens_age_out() -> 
     assert pace.status()["cap"] is None
 
 
+@pytest.mark.parametrize(
+    ("in_flight", "queued", "forgotten"),
+    [
+        (0, False, True),  # nothing run or asked for over a whole window: the cap was another load's
+        (3, False, False),  # requests still run under it
+        (0, True, False),  # requests wait for it
+    ],
+)
+def test_a_cap_learned_in_an_overload_is_forgotten_once_a_whole_window_passed_idle(
+    in_flight: int, queued: bool, forgotten: bool
+) -> None:
+    pace = fed(3.0)
+    pace.step(10.0, 5.0, in_flight=40, queued=True, engine_waiting=0)
+    assert pace.cap == 32
+    pace.step(10.0 + WINDOW_SECONDS + 1.0, 5.0, in_flight=in_flight, queued=queued, engine_waiting=0)
+    assert (pace.cap is None) == forgotten
+
+
 async def test_the_admission_holds_the_requests_in_flight_to_the_cap_and_refuses_at_arrival_past_its_turn() -> None:
     """With the engine's first tokens slow against the objective, admission stops at the cap though KV blocks are
     free; an arrival whose turn at the rate requests end comes past 80% of its wait is refused at once."""

@@ -158,10 +158,14 @@ def test_transitions_outside_the_phase_diagram_are_refused() -> None:
 
 
 class RecordingAdmitter:
-    """A stand-in controller: the reservation reaches it through ``enter`` and ``leave`` only."""
+    """A stand-in controller: the reservation reaches it through ``enter``, ``leave`` and ``first_token``."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.first_tokens: list[float] = []
+
+    def first_token(self, reservation: Reservation, seconds: float) -> None:
+        self.first_tokens.append(seconds)
 
     async def enter(self, reservation: Reservation) -> None:
         self.calls.append(f"enter {reservation.request_id}")
@@ -215,6 +219,33 @@ def test_only_an_observed_complete_output_counts(
     else:
         r.release(completed=completed)
     assert r.completed_output == output
+
+
+@pytest.mark.parametrize(
+    ("sent_at", "engine_seconds"),
+    [
+        (None, 3.0),  # never said it was sent: counted from its admission
+        (12.5, 0.5),  # sent 2.5 s after its admission (a late loop, the body): the engine's time starts there
+    ],
+)
+async def test_a_first_token_is_timed_from_the_request_s_write_to_its_engine(
+    sent_at: float | None, engine_seconds: float
+) -> None:
+    admitter, clock = RecordingAdmitter(), [0.0]
+    r = booking(admitter, clock)
+    r.sent()  # before its admission: not sent to any engine yet, ignored
+    r.enqueue()
+    clock[0] = 10.0
+    r.admit(waited_seconds=10.0)
+    if sent_at is not None:
+        clock[0] = sent_at
+        r.sent()
+        clock[0] = sent_at + 1.0
+        r.sent()  # a second write (a resend) does not move the start
+    clock[0] = 13.0
+    r.observe_output_tokens(1)
+    r.observe_output_tokens(2)  # only the first token is a sample
+    assert admitter.first_tokens == [engine_seconds]
 
 
 def test_progress_checkpoints_are_credited_only_inside_the_snapshot_window() -> None:

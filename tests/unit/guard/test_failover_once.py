@@ -64,6 +64,9 @@ class Booked:
     def observe_output_tokens(self, generated: int) -> None:
         pass
 
+    def sent(self) -> None:
+        pass
+
     def release(self, *, completed: bool = True) -> None:
         pass
 

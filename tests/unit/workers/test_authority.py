@@ -52,6 +52,9 @@ class Booked:
     def observe_output_tokens(self, generated: int) -> None:
         pass
 
+    def sent(self) -> None:
+        pass
+
     def release(self, *, completed: bool = True) -> None:
         if self.released is None:
             self.released = completed
