@@ -129,8 +129,14 @@ def gateway_specs(args: argparse.Namespace, targets: list[str]) -> dict[str, Gat
 
 def run_as(target: Target, mode: str) -> None:
     """Every thread of a started gateway at a niceness, under SCHED_BATCH, or on given cores (threads it starts
-    later inherit it)."""
+    later inherit it). A niceness is given to the gateway's autogroup as well, where the kernel groups by session
+    (``/proc/sys/kernel/sched_autogroup_enabled``): each server runs in a session of its own, and a thread's own
+    niceness weighs only against the threads of its session, so alone it changed nothing between the gateway
+    and vLLM (docs/realistic.md)."""
     kind, _, value = mode.partition("=")
+    autogroup = Path(f"/proc/{target.pid}/autogroup")
+    if kind == "nice" and autogroup.exists():
+        autogroup.write_text(value)
     for task in Path(f"/proc/{target.pid}/task").iterdir():
         tid = int(task.name)
         if kind == "nice":

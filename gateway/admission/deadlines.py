@@ -8,11 +8,11 @@ token comes after its wait in the queue *and* the engine's own time to a first t
 ahead of it inside the engine, and the steps of the batch it joins), so the queue may hold it for its deadline less
 that engine time, and never past ``--queue-timeout``.
 
-The engine's time to first token is learned from the streams the gateway relays: from a request's admission to
-its first streamed token (``FirstTokens``; a non-streamed answer reports its tokens only at the end, and is not a
-sample), over the last ``WINDOW_SECONDS``, at its ``QUANTILE`` (most admitted requests must make their deadline,
-not the average one). It is used only while requests are in flight: an idle engine's figure is its prefill alone,
-and a figure learned under a load that has gone would otherwise refuse requests it can serve.
+The engine's time to first token is learned from the streams the gateway relays: from a request's write to its
+engine to its first streamed token (``FirstTokens``; a non-streamed answer reports its tokens only at the end, and
+is not a sample), over the last ``WINDOW_SECONDS``, at its ``QUANTILE`` (most admitted requests must make their
+deadline, not the average one). It is used only while requests are in flight: an idle engine's figure is its
+prefill alone, and a figure learned under a load that has gone would otherwise refuse requests it can serve.
 
 A request whose deadline leaves it no time to wait is refused as it arrives (503 ``deadline``), and one forecast
 to wait past it is refused at once by the forecast (``forecast``), with a computed ``Retry-After``. An objective
@@ -80,9 +80,9 @@ class WaitLimit:
 
 
 class FirstTokens:
-    """The engine's time from admission to a first token, over the requests admitted lately; and, apart, over the
-    last ``UNQUEUED_SAMPLES`` requests admitted as they arrived (nothing kept them waiting: the engine was not
-    overloaded), whenever that was."""
+    """The engine's time from a request's write to it to a first token, over the requests admitted lately; and,
+    apart, over the last ``UNQUEUED_SAMPLES`` requests admitted as they arrived (nothing kept them waiting: the
+    engine was not overloaded), whenever that was."""
 
     def __init__(self, clock: Callable[[], float], window: float = WINDOW_SECONDS) -> None:
         self._clock = clock

@@ -14,10 +14,10 @@ Every ``STEP_SECONDS`` while an objective applies (the operator's ``--ttft-objec
 overload is sustained), over the requests admitted in the last ``WINDOW_SECONDS`` (and since the cap last fell) whose
 first token came (the misses counted among those an objective judged as they arrived):
 
-- **tighten** when the engine's own time (admission to first token) at the ``QUANTILE`` passes ``ENGINE_SHARE`` of
-  the objective, or more than ``MISSED_SHARE`` of them got their first token past the objective (wait included): the
-  cap falls to ``DECREASE`` of the requests in flight (at least ``MIN_CAP``), and falls again only on requests
-  admitted after that, once they show it was not enough;
+- **tighten** when the engine's own time (from the request's write to it to its first token) at the ``QUANTILE``
+  passes ``ENGINE_SHARE`` of the objective, or more than ``MISSED_SHARE`` of them got their first token past the
+  objective (wait included): the cap falls to ``DECREASE`` of the requests in flight (at least ``MIN_CAP``), and
+  falls again only on requests admitted after that, once they show it was not enough;
 - **loosen** while the cap binds (requests queued behind it) and the engine's time is under ``RELAX_SHARE`` of the
   objective, almost none missed it and nothing waits inside the engine: the cap grows by ``INCREASE`` of itself (at
   least one request) a step, additive as the decrease is multiplicative, so that the engine is kept as busy as the
@@ -50,7 +50,7 @@ MIN_CAP = 2
 @dataclass(frozen=True)
 class _Sample:
     admitted_at: float
-    engine: float  # seconds from admission to the first token
+    engine: float  # seconds from the request's write to its engine to the first token
     missed: bool | None  # its first token came past its objective; None: no objective judged it as it arrived
 
 

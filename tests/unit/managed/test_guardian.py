@@ -1,5 +1,6 @@
-"""The guardian runs a command in a process group of its own, and stopping it takes the whole group,
-also a process that ignores SIGTERM or is stopped (SIGSTOP)."""
+"""The guardian runs a command in a process group of its own, in the gateway's session (where the kernel shares the
+CPU between sessions first, an engine in a session of its own starved the gateway), and stopping it takes the whole
+group, also a process that ignores SIGTERM or is stopped (SIGSTOP)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def gone(pid: int, timeout: float = 5.0) -> bool:
     return True
 
 
-async def test_the_command_runs_under_the_guardian_in_its_own_group() -> None:
+async def test_the_command_runs_under_the_guardian_in_its_own_group_in_the_gateway_s_session() -> None:
     proc = await guardian.launch([sys.executable, "-c", SLEEPER], grace=1.0, env=dict(os.environ), line_limit=1024)
     try:
         assert proc.stdout is not None
@@ -39,6 +40,7 @@ async def test_the_command_runs_under_the_guardian_in_its_own_group() -> None:
         engine = guardian.engine_pid(proc.pid)
         assert engine is not None and engine != proc.pid
         assert os.getpgid(engine) == proc.pid != os.getpgid(0)
+        assert os.getsid(engine) == os.getsid(proc.pid) == os.getsid(0)
         assert sorted(guardian.group_pids(proc.pid)) == sorted([proc.pid, engine])
         assert await guardian.stop(proc, grace=1.0)
         assert gone(engine)
