@@ -24,6 +24,7 @@ from pathlib import Path
 # Standard library only: it runs with the gateway's python even when vLLM lives in another environment.
 GUARDIAN = r"""
 import ctypes, os, signal, subprocess, sys, time
+os.setpgid(0, 0)  # a process group of its own, in the gateway's session (``launch``)
 parent, grace, cmd = int(sys.argv[1]), float(sys.argv[2]), sys.argv[4:]
 def die_with_parent(sig):
     try:
@@ -71,16 +72,36 @@ async def launch(
     The returned process is the guardian: its pid is the group's id. The group stays in the gateway's session:
     where the kernel shares the CPU between sessions first (``sched_autogroup_enabled``, the default of most
     distributions' kernels for processes outside a cgroup of their own), an engine in a session of its own took
-    the cores from the gateway in front of it. Beside vLLM's CPU build on two cores, the gateway's own session got
-    it 10% of a core while vLLM ran two requests, 35% while it ran 64 (a busy loop in its place: 74% in vLLM's
-    session), and with ``--ttft-objective 5`` at 32 chat streams/s 60-90% of the admitted got their first token
+    the cores from the gateway in front of it. Beside vLLM's CPU build on two cores, a busy thread in a session
+    apart from vLLM's got 10% of a core while vLLM ran two requests, 35% while it ran 64 (74% in vLLM's session),
+    and with ``--ttft-objective 5`` at 32 chat streams/s 60-90% of the admitted got their first token
     within 5 s in three runs, 100% in each of the runs with both in one session (docs/realistic.md).
     """
-    return await asyncio.create_subprocess_exec(
+    # The guardian makes its group itself, as it starts: uvloop's subprocess_exec, the gateway's loop, takes
+    # neither ``process_group`` nor a ``preexec_fn`` that would run Python in a fork of a threaded process safely.
+    proc = await asyncio.create_subprocess_exec(
         sys.executable, "-c", GUARDIAN, str(os.getpid()), str(grace), "--", *command,
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env=env, process_group=0, limit=line_limit,
+        env=env, limit=line_limit,
     )
+    await _own_group(proc, GROUP_WITHIN)
+    return proc
+
+
+GROUP_WITHIN = 10.0  # seconds the guardian may take to lead its group (an interpreter's start: ~50 ms here)
+
+
+async def _own_group(proc: asyncio.subprocess.Process, within: float) -> None:
+    """Wait until the guardian leads its own group, so that the group's signals reach it from the start; a
+    guardian that ended (or never got there) is left to its caller, which reads its exit."""
+    deadline = asyncio.get_running_loop().time() + within
+    while proc.returncode is None and asyncio.get_running_loop().time() < deadline:
+        try:
+            if os.getpgid(proc.pid) == proc.pid:
+                return
+        except ProcessLookupError:
+            return
+        await asyncio.sleep(0.005)
 
 
 async def stop(proc: asyncio.subprocess.Process, grace: float) -> bool:

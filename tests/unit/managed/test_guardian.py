@@ -4,6 +4,7 @@ group, also a process that ignores SIGTERM or is stopped (SIGSTOP)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -48,6 +49,24 @@ async def test_the_command_runs_under_the_guardian_in_its_own_group_in_the_gatew
     finally:
         guardian.signal_group(proc.pid, signal.SIGKILL)
         await proc.wait()
+
+
+def test_the_guardian_leads_its_group_in_the_gateway_s_session_under_uvloop_too() -> None:
+    """The gateway serves on uvloop, whose subprocess_exec takes no ``process_group``: the guardian makes its group
+    itself, and ``launch`` returns once it leads it."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def launched() -> tuple[int, int, int]:
+        proc = await guardian.launch([sys.executable, "-c", SLEEPER], grace=1.0, env=dict(os.environ), line_limit=1024)
+        try:
+            return proc.pid, os.getpgid(proc.pid), os.getsid(proc.pid)
+        finally:
+            await guardian.stop(proc, grace=1.0)
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        pid, group, session = runner.run(launched())
+    assert group == pid and session == os.getsid(0)
+    assert gone(pid)
 
 
 @pytest.mark.parametrize("pause_it", [False, True])
