@@ -77,22 +77,20 @@ class AdmissionFields(BaseModel):
         "preempts past this (0: back off on any preemption)."
     )
     ttft_objective: TtftObjective = Field(
-        "auto", description="auto: a burst that arrives at once is queued whole; once an overload is sustained "
-        "(requests keep arriving into a queue that has held requests longer than the engine's first token takes "
-        "when it is not overloaded, at least 1 s), the gateway holds an objective of 3 times that time, at least "
-        "5 s, as it holds SECONDS (with --sustained-feedback off it judges arrivals only, against that wait). "
-        "SECONDS: every request forecast to get no first token within this is refused at once, so that admitted "
-        "requests stay within it, a queued request is refused once its wait and the engine's time to a first token "
-        "now pass it, and the requests in flight are capped while the engine's first tokens take more than half of "
-        "it. off: only --queue-timeout and the clients' deadlines."
+        "auto", description="auto: once an overload is sustained (requests keep arriving into a queue that has "
+        "held requests longer than the wait below), an arriving request may wait as long as the engine's first "
+        "token takes when it is not overloaded (at least 1 s), and one forecast to miss that is refused at once "
+        "(503 deadline); a burst that arrives at once is queued whole. SECONDS: every request forecast to get no "
+        "first token within this is refused at once, so that admitted requests stay within it, a queued request is "
+        "refused once its wait and the engine's time to a first token now pass it, and the requests in flight are "
+        "capped while the engine's first tokens take more than half of it (under auto too with "
+        "--sustained-feedback on). off: only --queue-timeout and the clients' deadlines."
     )
     sustained_feedback: Literal["on", "off"] = Field(
-        "on", description="on: under --ttft-objective auto, while the overload is sustained the derived objective "
-        "(3 times the engine's unhurried time to a first token, at least 5 s) is held as --ttft-objective SECONDS "
-        "is (arrivals forecast to miss it refused, a queued request refused once known late, the requests in flight "
-        "capped on the engine's first tokens), the overload stays sustained while arrivals are refused, and first "
-        "tokens meanwhile are not taken for the engine's unhurried time. off: the derived objective judges "
-        "arrivals only, against a wait of the engine's unhurried time (at least 1 s)."
+        "off", description="on: under --ttft-objective auto, the derived objective (twice the wait) is held as "
+        "--ttft-objective SECONDS is while the overload is sustained (a queued request refused once known late, the "
+        "requests in flight capped on the engine's first tokens), the overload stays sustained while arrivals are "
+        "refused, and first tokens meanwhile are not taken for the engine's unhurried time. off: as before."
     )
     max_concurrency: int | None = Field(
         None, ge=1, description="Most requests in flight upstream at once, whatever the KV budget."

@@ -130,7 +130,7 @@ class Deadlines:
         self.queue_timeout = queue_timeout
         self.objective = objective if isinstance(objective, int | float) else None
         self.feedback = feedback
-        self.sustained = SustainedOverload(enabled=objective == "auto", held=feedback)
+        self.sustained = SustainedOverload(enabled=objective == "auto", refusals_count=feedback)
         self.first_tokens = FirstTokens(clock)
         self.pace = Pace()
         self._clock = clock
@@ -149,11 +149,9 @@ class Deadlines:
         return replace(limit, backlogged=backlogged, then=then)
 
     def _limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
-        # The request's own objective and the operator's are both aims: the earlier of them judges its arrival; so
-        # does the derived one once the overload is sustained, where it is held (``--sustained-feedback on``).
+        # The request's own objective and the operator's are both aims: the earlier of them judges its arrival.
+        own = [d for d in (r.deadline, r.objective, self.objective) if d is not None]
         derived = self.sustained.applies(self._clock())
-        held = self.sustained.objective(self.unhurried()) if derived and self.feedback else None
-        own = [d for d in (r.deadline, r.objective, self.objective, held) if d is not None]
         if not own and not derived:
             return WaitLimit(self.queue_timeout, False, 0.0)
         engine = self.engine_seconds(in_flight)
@@ -166,13 +164,13 @@ class Deadlines:
         client = r.deadline - engine if r.deadline is not None else math.inf
         then = WaitLimit(client, True, engine) if client < self.queue_timeout else WaitLimit(
             self.queue_timeout, False, engine)
-        aims = [a for a in (self.objective, held) if a is not None]
-        # Judging arrivals only (held is None), the derived wait is not cut by the engine's time now: that time is
-        # held within it (``compute_room``).
-        if derived and held is None and (wait := self.sustained.wait(self.unhurried())) < allowed:
+        # The derived wait is not cut by the engine's time now: that time is held within it (``compute_room``).
+        aims = [self.objective] if self.objective is not None else []
+        if derived and (wait := self.sustained.wait(self.unhurried())) < allowed:
             limit = WaitLimit(min(wait, self.queue_timeout), True, engine, derived=True)
+            aims += [self.sustained.objective(self.unhurried())] if self.feedback else []
         elif allowed < self.queue_timeout:
-            limit = WaitLimit(allowed, True, engine, derived=held is not None and held == min(own))
+            limit = WaitLimit(allowed, True, engine)
         else:
             return WaitLimit(self.queue_timeout, False, engine)
         limit = replace(limit, objective=min(aims, default=None))
@@ -223,12 +221,11 @@ class Deadlines:
 
     def compute_room(self, in_flight: int) -> bool:
         """Whether the engine's steps leave room for more work within the objective: its time to a first token
-        now is within half the objective held now (the operator's, or the derived one with ``--sustained-feedback
-        on``), or, once an overload is sustained and the derived objective judges arrivals only, within the wait it
-        allows (a fuller batch runs each step slower; room in the cache is not time in the engine)."""
+        now is within half the operator's objective, or, once an overload is sustained under ``auto``, within the
+        wait it allows (a fuller batch runs each step slower; room in the cache is not time in the engine)."""
         engine = self.engine_seconds(in_flight)
-        if (objective := self.objective_now()) is not None:
-            return engine <= objective / 2
+        if self.objective is not None:
+            return engine <= self.objective / 2
         if self.sustained.applies(self._clock()):
             return engine <= self.sustained.wait(self.unhurried())
         return True

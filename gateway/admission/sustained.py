@@ -54,23 +54,15 @@ from collections.abc import Callable
 MIN_WAIT_SECONDS = 1.0
 ENGINE_MULTIPLE = 1.0  # of the engine's unhurried time to a first token, that a request may wait
 CALM_SECONDS = 1.0  # of an empty queue, that end a sustained overload
-# The objective held while an overload is sustained (``--sustained-feedback on``, the default): a small multiple of
-# the engine's unhurried time to a first token, at least the floor. The floor is what "prompt" means for a chat
-# (a first token within 5 s) and keeps an engine whose first tokens take tens of milliseconds (a GPU's) fed: held
-# to 3x of 50 ms, the pace would run it nearly empty. Twice the wait (2 s on vLLM's CPU build) was held before, and
-# its pace, aiming the engine's first tokens at half of it, left the engine below what it could serve.
-HELD_MULTIPLE = 3.0
-HELD_FLOOR_SECONDS = 5.0
 
 
 class SustainedOverload:
     """Whether the overload is sustained, and the wait the derived objective allows an arriving request then."""
 
-    def __init__(self, enabled: bool, held: bool = False) -> None:
-        """``held`` (``--sustained-feedback on``): the derived objective is held as the operator's is, and a refusal
-        while sustained keeps the queue from being calm."""
+    def __init__(self, enabled: bool, refusals_count: bool = False) -> None:
+        """``refusals_count``: a refusal while sustained keeps the queue from being calm (``--sustained-feedback``)."""
         self.enabled = enabled
-        self.held = held
+        self._refusals_count = refusals_count
         self.sustained = False
         self._empty_since: float | None = None  # when the queue last became empty; None while requests wait
         self._refused_at = -math.inf  # when a request was last refused while the overload was sustained
@@ -84,11 +76,7 @@ class SustainedOverload:
         return max(MIN_WAIT_SECONDS, ENGINE_MULTIPLE * unhurried)
 
     def objective(self, unhurried: float) -> float:
-        """The derived objective: held (``held``), ``HELD_MULTIPLE`` times the engine's unhurried time to a first
-        token, at least ``HELD_FLOOR_SECONDS``; judging arrivals only, the wait in the queue and as long again at
-        most in the engine."""
-        if self.held:
-            return max(HELD_FLOOR_SECONDS, HELD_MULTIPLE * unhurried)
+        """The derived objective: the wait in the queue, and as long again at most in the engine."""
         return 2 * self.wait(unhurried)
 
     def applies(self, now: float) -> bool:
@@ -101,7 +89,7 @@ class SustainedOverload:
     def refused(self, now: float) -> None:
         """A request was refused at ``now``: while the overload is sustained, the queue is not calm for being empty
         (every arrival may be refused at once into an empty queue while the engine is full)."""
-        if self.sustained and self.held:
+        if self.sustained and self._refusals_count:
             self._refused_at = now
 
     def arrived_into_backlog(self, key: object, now: float) -> None:

@@ -13,7 +13,7 @@ import pytest
 from gateway import errors
 from gateway.admission import Reservation
 from gateway.admission.deadlines import MIN_SAMPLES, Deadlines
-from gateway.admission.sustained import CALM_SECONDS, HELD_FLOOR_SECONDS, MIN_WAIT_SECONDS, SustainedOverload
+from gateway.admission.sustained import CALM_SECONDS, MIN_WAIT_SECONDS, SustainedOverload
 from gateway.config import Settings
 from tests.unit.admission.rig import Rig, enter, settle
 
@@ -31,20 +31,6 @@ def test_the_derived_wait_is_the_engines_unhurried_time_to_a_first_token_at_leas
     # The objective: the wait, and as long again in the engine (``Deadlines.compute_room`` holds it there).
     overload = SustainedOverload(enabled=True)
     assert (overload.wait(unhurried), overload.objective(unhurried)) == (pytest.approx(wait), pytest.approx(objective))
-
-
-@pytest.mark.parametrize(("unhurried", "objective"), [
-    pytest.param(0.0, HELD_FLOOR_SECONDS, id="an engine with no figure yet: the floor"),
-    pytest.param(0.05, HELD_FLOOR_SECONDS, id="a GPU's first tokens in tens of milliseconds: the floor"),
-    pytest.param(1.0, HELD_FLOOR_SECONDS, id="vLLM's CPU build: still the floor"),
-    pytest.param(2.5, 7.5, id="a slow engine: three times its unhurried time"),
-])
-def test_the_held_objective_is_three_times_the_engines_unhurried_first_token_at_least_five_seconds(
-    unhurried: float, objective: float
-) -> None:
-    overload = SustainedOverload(enabled=True, held=True)
-    assert overload.objective(unhurried) == pytest.approx(objective)
-    assert overload.wait(unhurried) == pytest.approx(max(MIN_WAIT_SECONDS, unhurried))  # what makes it sustained
 
 
 @pytest.mark.parametrize(("enabled", "waits", "empty_for", "sustained"), [
@@ -91,13 +77,6 @@ def test_an_overload_is_sustained_as_soon_as_a_request_that_arrived_into_a_backl
 
 @pytest.mark.parametrize(("objective", "sustained", "client", "unhurried", "engine", "seconds", "own", "derived"), [
     pytest.param("auto", False, None, 0.1, 0.3, DEFAULT_QUEUE_TIMEOUT, False, False, id="auto, no overload: the queue"),
-    pytest.param("held", False, None, 0.1, 0.3, DEFAULT_QUEUE_TIMEOUT, False, False,
-                 id="held, no overload: the queue (a burst is queued whole)"),
-    pytest.param("held", True, None, 0.1, 0.3, 4.7, True, True,
-                 id="held, sustained: the 5-s objective less the engine's time now"),
-    pytest.param("held", True, None, 2.0, 2.0, 4.0, True, True,
-                 id="held, sustained, slow engine: three times its unhurried time, less its time now"),
-    pytest.param("held", True, 1.0, 0.1, 0.3, 0.7, True, False, id="held, an impatient client: its own deadline"),
     pytest.param("auto", True, None, 0.1, 0.3, 1.0, True, True, id="auto, sustained: at least a second"),
     pytest.param("auto", True, None, 2.0, 2.0, 2.0, True, True, id="auto, sustained, slow engine: its own time"),
     pytest.param("auto", True, None, 0.1, 3.0, 1.0, True, True,
@@ -111,9 +90,7 @@ def test_the_wait_limit_under_each_objective(
     objective: float | str, sustained: bool, client: float | None, unhurried: float, engine: float, seconds: float,
     own: bool, derived: bool,
 ) -> None:
-    # "held": auto with --sustained-feedback on (the default); "auto": with it off, the derived wait judges arrivals.
-    held = objective == "held"
-    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto" if held else objective, lambda: 0.0, feedback=held)
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, objective, lambda: 0.0)
     for _ in range(MIN_SAMPLES):
         deadlines.first_tokens.add(unhurried)  # admitted as they arrived
         deadlines.first_tokens.add(engine, queued=True)  # the engine's time now: the window's 0.9 quantile
@@ -174,11 +151,8 @@ async def sustained(rig: Rig, releases: int = 12) -> tuple[list[Reservation], as
 
 
 @pytest.mark.parametrize("objective", ["auto", "off"])
-async def test_judging_arrivals_only_once_sustained_an_arrival_forecast_past_the_derived_wait_is_refused_at_once(
-    objective: str,
-) -> None:
-    rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict", ttft_objective=objective,
-              sustained_feedback="off")
+async def test_once_sustained_an_arrival_forecast_past_the_derived_wait_is_refused_at_once(objective: str) -> None:
+    rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict", ttft_objective=objective)
     running, task = await sustained(rig)
     assert rig.adm.status()["deadlines"]["sustained_overload"] is (objective == "auto")
     # 5 blocks ahead and its own 10 at 10 blocks/s: 1.5 s, past 80% of the 1 s it may wait (not of the 300-s queue).
@@ -222,15 +196,11 @@ async def test_judging_arrivals_only_once_sustained_an_arrival_forecast_past_the
     pytest.param("auto", True, 0.9, True, id="auto, sustained: within the second it allows"),
     pytest.param("auto", True, 1.5, False, id="auto, sustained: past it"),
     pytest.param("off", True, 9.0, True, id="off: no objective"),
-    pytest.param("held", True, 2.4, True, id="held, sustained: under half the 5-s objective"),
-    pytest.param("held", True, 2.6, False, id="held, sustained: over half of it"),
-    pytest.param("held", False, 9.0, True, id="held, no overload: no objective to keep"),
 ])
 def test_the_engine_has_room_for_more_while_its_first_tokens_leave_time_within_the_objective(
     objective: float | str, sustained: bool, engine: float, room: bool
 ) -> None:
-    held = objective == "held"  # auto with --sustained-feedback on, the default
-    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto" if held else objective, lambda: 0.0, feedback=held)
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, objective, lambda: 0.0)
     for _ in range(MIN_SAMPLES):
         deadlines.first_tokens.add(0.1)  # unhurried: admitted as they arrived
         deadlines.first_tokens.add(engine, queued=True)
@@ -247,7 +217,7 @@ def test_the_engine_has_room_for_more_while_its_first_tokens_leave_time_within_t
 def test_with_feedback_an_overload_whose_arrivals_are_refused_into_an_empty_queue_stays_sustained(
     feedback: bool, refused_at: float | None, sustained: bool
 ) -> None:
-    overload = SustainedOverload(enabled=True, held=feedback)
+    overload = SustainedOverload(enabled=True, refusals_count=feedback)
     overload.left_queue("r", 1.2, 0.0, backlogged=True)
     assert overload.applies(0.0)
     overload.queue(False, 0.0, lambda: 0.0)  # the queue empties
@@ -275,10 +245,7 @@ async def test_with_feedback_a_request_queued_under_the_derived_wait_is_refused_
 ) -> None:
     rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict", sustained_feedback=feedback)
     running, task = await sustained(rig)
-    # Held (on), the objective is the 5-s floor (the engine's unhurried time is unknown); off, the arrival was judged
-    # against twice the 1-s wait.
-    objective = HELD_FLOOR_SECONDS if feedback == "on" else 2.0
-    rig.clock.now += objective - 0.1  # nothing released: within it
+    rig.clock.now += 1.9  # nothing released: within twice the 1-s wait
     rig.adm.tick()
     await settle()
     assert not task.done()
@@ -293,7 +260,7 @@ async def test_with_feedback_a_request_queued_under_the_derived_wait_is_refused_
             r.release()
         rig.assert_drained()
         return
-    with pytest.raises(errors.DeadlineUnreachable, match=r"past the TTFT objective of 5\.0 s while the overload is "
+    with pytest.raises(errors.DeadlineUnreachable, match=r"past the TTFT objective of 2\.0 s while the overload is "
                        r"sustained \(--ttft-objective auto\)") as caught:
         await task
     assert caught.value.retry_after is not None and rig.adm.queued == 0
