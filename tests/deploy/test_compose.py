@@ -206,3 +206,9 @@ def test_prometheus_scrapes_the_gateway_by_the_alias_both_modes_share(compose: d
     mounts = [v.split(":")[0] for v in compose["services"]["prometheus"]["volumes"]]
     assert {"./deploy/prometheus.yml", "./deploy/alerts.yml"} <= set(mounts)
     assert all((ROOT / m).exists() for m in mounts if m.startswith("./"))
+
+
+def test_the_proxy_mode_gateway_outweighs_vllm_for_the_cpu(compose: dict[str, Any]) -> None:
+    # vLLM's spinning processes starve a gateway of equal weight in a group of its own (docs/deploy.md).
+    services = compose["services"]
+    assert services["guard"].get("cpu_shares", 1024) >= 4 * services["vllm"].get("cpu_shares", 1024)
