@@ -24,7 +24,21 @@ for spec in "$@"; do
     --upstream http://127.0.0.1:18000 --port 18080 ${GATEWAY_FLAGS:-}" > /tmp/cgroups-gateway.log 2>&1 &
   gw=$!
   for _ in $(seq 60); do curl -sf localhost:18080/health > /dev/null && break; sleep 1; done
-  got=$(PYTHONPATH=. $PY bench/placement/client.py "$seed" http://127.0.0.1:18080 "$words")
+  # The realistic benchmark's own plans, words and client: 32 chat streams/s for 60 s, clients' read timeout 30 s;
+  # WORDS differ from run to run so that no run finds another's prompts in vLLM's prefix cache.
+  got=$(PYTHONPATH=. $PY - "$seed" http://127.0.0.1:18080 "$words" <<'PY'
+import asyncio, dataclasses, json, sys
+from bench.targets import engines
+from bench.workloads.realistic import figures, plan, prompt
+from bench.workloads.realistic_clients import CLIENTS
+seed, url, words = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+plans = plan(32.0, 60.0, seed)
+texts = [prompt(p, i, seed, words) for i, p in enumerate(plans)]
+outcomes = asyncio.run(CLIENTS["aiohttp"](url, plans, texts, engines.eos_id(engines.tiny_model()), 30.0))
+got = dataclasses.asdict(figures(outcomes, 5.0))
+print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in got.items()}))
+PY
+)
   read -r run wait _ < "/proc/$gw/schedstat"
   echo "gateway ${shares} : vLLM ${VLLM_SHARES:-1024}, seed $seed: $got; gateway waited ${wait} ns for a core, ran ${run} ns"
   kill "$gw"; wait "$gw" 2>/dev/null || true; sleep 3
