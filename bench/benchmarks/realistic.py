@@ -6,6 +6,8 @@
     python -m bench run realistic --rate 1.5 --workload overload --client sdk
     python -m bench run realistic --rate 24 --workload capacity --variant budget4=HEAD::--preemption-budget=4
     python -m bench run realistic --rate 1.5 --baseline-commit HEAD~5         # + target 'baseline'
+    python -m bench run realistic --rate 24 --workload overload-1.5x --workload overload-3x --repeat 3
+    python -m bench run realistic --rate 24 --workload overload --mix long --hog 1
     python -m bench run realistic --quick                                    # a short smoke run of every load
 
 Traffic: Poisson arrivals of streamed chat requests, prompts of 150-400 words, every request asking ``max_tokens``
@@ -17,7 +19,10 @@ token of the tiny model costs 1 KiB), max_model_len 2,048.
 Loads (``--workload``, repeatable): ``capacity`` (``--rate`` requests a second, the rate where vLLM alone's mean
 TTFT stays under 1 s on this machine: find it with ``--find-capacity``), ``double`` (twice that), ``overload``
 (twice that for 60 s with the clients' read timeout at 30 s, sent as ``x-stainless-read-timeout`` as the OpenAI
-SDKs do).
+SDKs do), and the grid's other overloads ``overload-1.5x`` and ``overload-3x`` (1.5 and 3 times the rate, the
+same otherwise). ``--mix long`` draws the grid's second distribution (longer prompts, shorter answers) in place of
+the chat one; ``--hog CORES`` runs a CPU hog in a session of its own beside every target's run. Each turn draws
+its own seed of arrivals (the same for every target of the turn).
 
 Targets: ``direct`` (vLLM), ``watermark`` (a second vLLM with ``--watermark 0.05``, what a user would set instead
 of a gateway), ``strict`` (the gateway with ``--admission-policy strict``), ``default`` (the gateway as it starts
@@ -57,7 +62,7 @@ from bench.harness.processes import cpu_list
 from bench.harness.results import Measure, Result
 from bench.harness.target import Target
 from bench.targets import engines, proxies
-from bench.workloads.realistic import Outcome, capacity
+from bench.workloads.realistic import MIXES, Outcome, capacity
 from bench.workloads.realistic_clients import CLIENTS
 
 SUMMARY = "production-shaped chat streams on a real vLLM: alone, with --watermark, through the gateway's policies"
@@ -91,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "at this niceness (a setting of the host: every target gets it)")
     parser.add_argument("--busy-cores", type=float, default=0.3, help="what target 'busy' keeps busy beside vLLM "
                         "alone, of one core (0.3: the default policy's gateway at twice capacity)")
+    parser.add_argument("--mix", choices=sorted(MIXES), default="chat", help="prompts and answers: chat (150-400 "
+                        "words, answers ~200 tokens) or long (500-850 words, answers ~60 tokens, max_tokens 512)")
+    parser.add_argument("--hog", type=float, default=0.0, metavar="CORES", help="a process of its own session "
+                        "spinning this much of one core beside every target's run (the grid's CPU hog cell)")
     parser.add_argument("--ttft-split", action="store_true", help="split each TTFT at the gateway's handler")
     parser.add_argument("--schedstat", action="store_true", help="add each process's seconds waiting for a core")
     parser.add_argument("--quick", action="store_true", help="one short turn of each load (a smoke test)")
@@ -177,7 +186,7 @@ def start(ctx: Context, targets: list[str], loads: list[str]) -> Bench:
     return bench
 
 
-def measures(loads: list[str], split: bool, waits: list[str]) -> list[Measure]:
+def measures(loads: list[str], split: bool, waits: list[str], hog: bool = False) -> list[Measure]:
     out: list[Measure] = []
     for load in loads:
         def m(key: str, label: str, fmt: str = ".2f", compare: str = "ratio", aggregate: str = "median",
@@ -204,6 +213,8 @@ def measures(loads: list[str], split: bool, waits: list[str]) -> list[Measure]:
                     m("split_inside_s", "TTFT in the handler to its first write s", ".3f"),
                     m("split_after_s", "TTFT after that write s", ".3f")]
         out += [m(f"waited_{w}_s", f"{w} waited for a core s", ".2f") for w in waits]
+        if hog:
+            out.append(m("hog_cpu_s", "CPU s the hog took", ".1f"))
     return out
 
 
@@ -212,7 +223,7 @@ def find_capacity(ctx: Context, bench: Bench, rates: list[float], duration_s: fl
     lines = ["| rate /s | mean TTFT s | p99 TTFT s | output tok/s | preemptions |", "|" + " --- |" * 5]
     mean_ttft: dict[float, float] = {}
     for i, rate in enumerate(rates):
-        fig, _, _ = bench.run("direct", Load(1.0, duration_s, 600.0, False), rate, 9000 + i, 0)
+        fig, _, _ = bench.run("direct", Load(1.0, duration_s, 600.0), rate, 9000 + i, 0)
         mean_ttft[rate] = fig.mean_ttft
         runs["direct"][0] |= fig.as_dict(f"r{rate:g}_")
         lines.append(f"| {rate:g} | {fig.mean_ttft:.2f} | {fig.p99_ttft:.2f} | {fig.tokens_per_s:.0f} | "
@@ -232,7 +243,7 @@ def run(ctx: Context) -> Result:
     if args.quick:
         args.repeat, specs = 1, quick_loads()
     elif args.duration is not None:
-        specs = {n: Load(s.rate_factor, args.duration if n != "overload" else s.duration_s, s.read_timeout_s)
+        specs = {n: Load(s.rate_factor, s.duration_s if s.sustained else args.duration, s.read_timeout_s)
                  for n, s in specs.items()}
     targets = list(args.targets) + [variant(v)[0] for v in args.variant if variant(v)[0] not in args.targets]
     if "direct" not in targets:
@@ -261,9 +272,13 @@ def run(ctx: Context) -> Result:
     said = "; ".join(f"{key}: " + ", ".join(f"{n} {reason}" for reason, n in sorted(c.items()) if n)
                      for key, c in reasons.items() if sum(c.values()))
     blocks = (args.kv_cache_mib << 20) // (1024 * 128)
+    mix = MIXES[args.mix]
+    hog = f"; a CPU hog spinning {args.hog:g} of a core beside every run" if args.hog > 0 else ""
     notes = [f"vLLM {bench.version()} (CPU build), tiny model, {args.kv_cache_mib} MiB KV cache ({blocks} blocks of "
              f"128); capacity rate {args.rate:g}/s; client {args.client}; objective {args.objective:g} s; "
-             f"{os.cpu_count()} cores shared by vLLM, the gateways and the client",
+             f"{os.cpu_count()} cores shared by vLLM, the gateways and the client{hog}",
+             f"mix {args.mix}: prompts of {mix.min_words}-{mix.max_words} words, answers around "
+             f"{mix.mean_length:g} tokens, max_tokens {mix.max_tokens}; each turn its own seed of arrivals",
              f"the gateways' refusals by reason (all runs): {said or 'none'}"]
-    return ctx.result(measures(loads, args.ttft_split, sorted(waits)), runs, ["direct", "baseline"], notes=notes,
-                      pictures=[p for p in pictures if p])
+    return ctx.result(measures(loads, args.ttft_split, sorted(waits), args.hog > 0), runs, ["direct", "baseline"],
+                      notes=notes, pictures=[p for p in pictures if p])

@@ -20,7 +20,7 @@ from bench.harness.cpu import Meter, Spinner, own_seconds
 from bench.harness.scrape import get_json, refusals, scrape
 from bench.harness.target import Target
 from bench.targets.engines import wait_idle
-from bench.workloads.realistic import Figures, Outcome, figures, plan, prompt
+from bench.workloads.realistic import MIXES, Figures, Outcome, figures, plan, prompt
 from bench.workloads.realistic_clients import CLIENTS, run_vllm_bench
 from bench.workloads.time_split import (
     ENGINE_HISTOGRAMS,
@@ -41,17 +41,24 @@ class Load:
     duration_s: float
     read_timeout_s: float
 
+    @property
+    def sustained(self) -> bool:
+        """An overload of the grid: 60 s of arrivals read by clients that give up after 30 s."""
+        return self.read_timeout_s < 600.0
 
+
+# ``overload`` is twice the capacity rate; the grid's other overloads, 1.5x and 3x (a grid of loads, not a point).
 LOADS = {
     "capacity": Load(1.0, 30.0, 600.0),
     "double": Load(2.0, 30.0, 600.0),
     "overload": Load(2.0, 60.0, 30.0),
+    "overload-1.5x": Load(1.5, 60.0, 30.0),
+    "overload-3x": Load(3.0, 60.0, 30.0),
 }
 
 
 def quick_loads() -> dict[str, Load]:
-    return {n: Load(s.rate_factor, 8.0 if n != "overload" else 12.0, s.read_timeout_s)
-            for n, s in LOADS.items()}
+    return {n: Load(s.rate_factor, 12.0 if s.sustained else 8.0, s.read_timeout_s) for n, s in LOADS.items()}
 
 
 # The engine each target sends to (a gateway's: the one it fronts); the others send to ``direct``.
@@ -93,7 +100,7 @@ class Bench:
     def run(self, target: str, load: Load, rate: float, seed: int, index: int,
             reasons: dict[str, Counter[str]] | None = None) -> tuple[Figures, list[Outcome], dict[str, float]]:
         args = self.ctx.args
-        plans = plan(rate * load.rate_factor, load.duration_s, seed)
+        plans = plan(rate * load.rate_factor, load.duration_s, seed, MIXES[getattr(args, "mix", "chat")])
         texts = [prompt(p, i, seed, index) for i, p in enumerate(plans)]
         engine = self.engine_of(target)
         gateway = self.gateways.get(target)
@@ -110,7 +117,13 @@ class Bench:
         meter = Meter(pids).start()
         frontend0 = own_seconds(engine.pid)
         spinner = Spinner(args.busy_cores) if target == "busy" else None
-        with spinner if spinner is not None else contextlib.nullcontext():
+        # The grid's CPU hog: a process of its own session spinning beside every target's run, as another
+        # service on a shared host does; vLLM and the gateway lose cores to it alike.
+        hog = Spinner(args.hog, session=True) if getattr(args, "hog", 0.0) > 0 else None
+        with (
+            hog if hog is not None else contextlib.nullcontext(),
+            spinner if spinner is not None else contextlib.nullcontext(),
+        ):
             outcomes = self.send(base, plans, texts, load.read_timeout_s)
         wait_idle(engine)
         cpu = meter.stop()
@@ -121,6 +134,8 @@ class Bench:
         # vLLM's API server alone (its process, not the engine core it started): the frontend the gateway adds to.
         tokens = sum(o.tokens for o in outcomes)
         extra: dict[str, float] = {"frontend_cpu_us_token": 1e6 * frontend / tokens if tokens else math.nan}
+        if hog is not None:
+            extra["hog_cpu_s"] = hog.cpu_s
         for mark in marks:
             extra |= mark.means()
         if waits is not None:

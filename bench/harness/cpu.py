@@ -155,13 +155,14 @@ class Spinner:
     """A process spinning ``cores`` of one core (at most one) while the ``with`` block runs; ``cpu_s`` is what it
     took, read before it is killed. What a proxy's CPU alone costs an engine that shares the cores with it."""
 
-    def __init__(self, cores: float) -> None:
+    def __init__(self, cores: float, *, session: bool = False) -> None:
         self.code = SPINNER_CODE.format(share=min(1.0, max(0.0, cores)), period=SPINNER_PERIOD_S)
+        self.session = session  # in a session of its own, as another service of the host runs
         self.cpu_s = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> Spinner:
-        self._proc = subprocess.Popen([sys.executable, "-c", self.code])
+        self._proc = subprocess.Popen([sys.executable, "-c", self.code], start_new_session=self.session)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:

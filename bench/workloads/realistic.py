@@ -33,14 +33,32 @@ WORDS = (
 
 
 @dataclass(frozen=True)
+class Mix:
+    """A distribution of prompts and answers: prompt sizes uniform in words, answers' mean lengths lognormal
+    (``lognormal_length``), and the ``max_tokens`` every request asks for."""
+
+    min_words: int
+    max_words: int
+    mean_length: float
+    max_tokens: int
+
+
+# ``chat``: the first distribution (150-400 words, answers around 200 tokens). ``long``: the grid's second, longer
+# prompts and shorter answers (500-850 words, 830-1,390 prompt tokens; answers around 60 tokens), as RAG or
+# summarising traffic is; its 850 words and max_tokens 512 fit the 2,048-token context (a test counts them).
+MIXES = {"chat": Mix(MIN_WORDS, MAX_WORDS, MEAN_LENGTH, MAX_TOKENS), "long": Mix(500, 850, 60.0, 512)}
+
+
+@dataclass(frozen=True)
 class Planned:
     """One request of a run: when it arrives (s after the start), its prompt's words, and the answer's mean
     length (tokens): the engine draws the real one, geometric around it (``length_body``), which nobody knows
-    in advance."""
+    in advance; and the ``max_tokens`` it asks for."""
 
     at: float
     words: int
     length: int
+    max_tokens: int = MAX_TOKENS
 
 
 def lognormal_length(rng: random.Random, mean: float = MEAN_LENGTH, sigma: float = SIGMA,
@@ -50,15 +68,18 @@ def lognormal_length(rng: random.Random, mean: float = MEAN_LENGTH, sigma: float
     return max(1, min(cap, round(rng.lognormvariate(mu, sigma))))
 
 
-def plan(rate: float, duration_s: float, seed: int) -> list[Planned]:
-    """Poisson arrivals at ``rate`` a second for ``duration_s`` seconds, each with its prompt size and length."""
+def plan(rate: float, duration_s: float, seed: int, mix: Mix = MIXES["chat"]) -> list[Planned]:
+    """Poisson arrivals at ``rate`` a second for ``duration_s`` seconds, each with its prompt size and length
+    drawn from ``mix``."""
     if rate <= 0 or duration_s <= 0:
         raise ValueError("rate and duration must be positive")
     rng = random.Random(seed)
     out: list[Planned] = []
     at = rng.expovariate(rate)
     while at < duration_s:
-        out.append(Planned(at, rng.randint(MIN_WORDS, MAX_WORDS), lognormal_length(rng)))
+        words = rng.randint(mix.min_words, mix.max_words)
+        length = lognormal_length(rng, mix.mean_length, cap=mix.max_tokens)
+        out.append(Planned(at, words, length, mix.max_tokens))
         at += rng.expovariate(rate)
     return out
 

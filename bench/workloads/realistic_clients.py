@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.workloads.realistic import MAX_TOKENS, Outcome, Planned, length_body
+from bench.workloads.realistic import Outcome, Planned, length_body
 from testing.servers import SERVED_MODEL_NAME
 
 Send = Callable[[int, Planned, str, float], Coroutine[Any, Any, Outcome]]
@@ -26,7 +26,7 @@ Send = Callable[[int, Planned, str, float], Coroutine[Any, Any, Outcome]]
 
 def chat_body(planned: Planned, text: str, eos_id: int) -> dict[str, Any]:
     return {
-        "model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": text}], "max_tokens": MAX_TOKENS,
+        "model": SERVED_MODEL_NAME, "messages": [{"role": "user", "content": text}], "max_tokens": planned.max_tokens,
         "stream": True, "stream_options": {"include_usage": True}, **length_body(planned.length, eos_id),
     }  # fmt: skip
 
@@ -104,8 +104,9 @@ async def run_sdk(base: str, plans: Sequence[Planned], texts: Sequence[str], eos
             tokens = 0
             try:
                 stream = await client.chat.completions.create(
-                    model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": text}], max_tokens=MAX_TOKENS,
-                    stream=True, stream_options={"include_usage": True}, extra_body=length_body(planned.length, eos_id),
+                    model=SERVED_MODEL_NAME, messages=[{"role": "user", "content": text}],
+                    max_tokens=planned.max_tokens, stream=True, stream_options={"include_usage": True},
+                    extra_body=length_body(planned.length, eos_id),
                 )
                 async for chunk in stream:
                     ttft = ttft if ttft is not None else time.monotonic() - sent
@@ -144,7 +145,7 @@ async def run_vllm_bench(base: str, plans: Sequence[Planned], texts: Sequence[st
 
     tokenizer = get_tokenizer(tokenizer_dir)
     requests = [
-        SampleRequest(prompt=text, prompt_len=len(tokenizer.encode(text)), expected_output_len=MAX_TOKENS,
+        SampleRequest(prompt=text, prompt_len=len(tokenizer.encode(text)), expected_output_len=planned.max_tokens,
                       timestamp=planned.at, request_overrides=length_body(planned.length, eos_id))
         for planned, text in zip(plans, texts, strict=True)
     ]  # fmt: skip

@@ -5,18 +5,22 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import os
 import random
 import statistics
+import time
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
 from bench.benchmarks.realistic import ENGINE_OF, TARGETS, GatewaySpec, gateway_specs, measures, variant
+from bench.benchmarks.realistic_run import LOADS, quick_loads
 from bench.harness import plots
-from bench.harness.cpu import Spinner
+from bench.harness.cpu import Spinner, cpu_seconds
 from bench.workloads.realistic import (
     MAX_TOKENS,
+    MIXES,
     WORDS,
     Outcome,
     Planned,
@@ -62,11 +66,29 @@ def test_every_target_gets_the_same_sizes_in_words_of_its_own() -> None:
     assert len({t.split()[:40].__repr__() for t in texts}) == 4
 
 
-def test_the_words_leave_room_for_the_answer_in_the_tiny_models_context(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mix", sorted(MIXES))
+def test_the_words_leave_room_for_the_answer_in_the_tiny_models_context(tmp_path: Path, mix: str) -> None:
     tok = AutoTokenizer.from_pretrained(str(build_tokenizer(tmp_path)))
-    longest = prompt(Planned(0.0, 400, 1), 0, seed=0, target=0)
+    longest = prompt(Planned(0.0, MIXES[mix].max_words, 1), 0, seed=0, target=0)
     assert all(len(tok.encode(" " + w, add_special_tokens=False)) <= 2 for w in WORDS)
-    assert len(tok.encode(longest, add_special_tokens=False)) + MAX_TOKENS + 32 <= 2048
+    assert len(tok.encode(longest, add_special_tokens=False)) + MIXES[mix].max_tokens + 32 <= 2048
+
+
+def test_the_long_mix_draws_longer_prompts_and_shorter_answers_than_the_chat_mix() -> None:
+    chat, long = plan(4.0, 300.0, seed=3), plan(4.0, 300.0, seed=3, mix=MIXES["long"])
+    assert len(long) == pytest.approx(len(chat), rel=0.1)  # the same rate
+    assert all(500 <= p.words <= 850 and p.max_tokens == 512 and 1 <= p.length <= 512 for p in long)
+    assert all(p.max_tokens == MAX_TOKENS for p in chat)
+    assert statistics.fmean(p.words for p in long) > 2 * statistics.fmean(p.words for p in chat)
+    assert statistics.fmean(p.length for p in long) == pytest.approx(60, rel=0.15)
+    assert statistics.fmean(p.length for p in long) < statistics.fmean(p.length for p in chat) / 2
+
+
+@pytest.mark.parametrize(("load", "factor"), [("overload-1.5x", 1.5), ("overload", 2.0), ("overload-3x", 3.0)])
+def test_the_grids_overloads_differ_only_in_their_rate(load: str, factor: float) -> None:
+    assert (LOADS[load].rate_factor, LOADS[load].duration_s, LOADS[load].read_timeout_s) == (factor, 60.0, 30.0)
+    assert LOADS[load].sustained and not LOADS["capacity"].sustained
+    assert quick_loads()[load].duration_s == 12.0 and quick_loads()["capacity"].duration_s == 8.0
 
 
 @pytest.mark.parametrize(("length", "bias"), [(1, 100.0), (30, 2.694), (200, 0.376), (400, -1.151), (600, -100.0)])
@@ -183,3 +205,14 @@ def test_the_busy_targets_spinner_is_valid_python_at_any_share() -> None:
     for share in (0.0, 0.3, 1.0, 2.0):
         compile(Spinner(share).code, "<busy>", "exec")
     assert "busy" in TARGETS
+
+
+def test_the_grids_cpu_hog_spins_in_a_session_of_its_own_and_says_what_it_took() -> None:
+    with Spinner(1.0, session=True) as hog:
+        proc = hog._proc
+        assert proc is not None
+        assert os.getsid(proc.pid) == proc.pid != os.getsid(0)
+        deadline = time.monotonic() + 10
+        while cpu_seconds(proc.pid) < 0.05 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert hog.cpu_s >= 0.05 and proc.poll() is not None
