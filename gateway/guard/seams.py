@@ -156,3 +156,6 @@ class AccessLogging(Protocol):
 
     def write(self, record: AccessRecord) -> None:
         """Write one request's record, without blocking the event loop."""
+
+    def write_lines(self, text: str) -> None:
+        """Write lines a worker formatted (the authority writes every process's), without blocking the loop."""

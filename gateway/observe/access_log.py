@@ -31,6 +31,7 @@ direct handler was still blocked in its write after 2 s.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import queue
 import re
@@ -38,7 +39,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Literal
+from typing import Literal, Protocol
 
 import orjson
 
@@ -106,7 +107,11 @@ _JSON_BREAKS = re.compile("[\u0085\u2028\u2029]")
 
 
 def format_json(record: AccessRecord) -> str:
-    line = orjson.dumps(_values(record)).decode()
+    values = _values(record)
+    try:
+        line = orjson.dumps(values).decode()
+    except TypeError:  # an integer a client sent beyond 64 bits (max_tokens 10^30): orjson refuses it, json not
+        line = json.dumps(values, ensure_ascii=False, separators=(",", ":"))
     # Such a character can only stand inside a JSON string, where its \u escape means the same.
     return _JSON_BREAKS.sub(lambda m: f"\\u{ord(m.group()):04x}", line) if _JSON_BREAKS.search(line) else line
 
@@ -141,6 +146,14 @@ def format_text(record: AccessRecord) -> str:
     return " ".join(f"{key}={quote(value)}" for key, value in _values(record).items())
 
 
+class LineSink(Protocol):
+    """Where the default writer's thread puts a batch of lines: standard output, or a worker's channel."""
+
+    def write(self, text: str, /) -> object: ...
+
+    def flush(self) -> None: ...
+
+
 class AccessLog:
     """Writes records in the configured format on ``vllm_guard.access`` (at INFO)."""
 
@@ -165,6 +178,17 @@ class AccessLog:
         elif self.on:
             self._logger.info("%s", self._format(record))
 
+    def write_lines(self, text: str) -> None:
+        """Lines another process formatted and redacted (a worker's: ``workers/remote.py``), each ending in a
+        newline, written as they are with this process's own."""
+        direct = _direct
+        if direct is not None and self.fmt != "off":
+            direct.put(text)
+        elif self.on:
+            for line in text.split("\n"):
+                if line:
+                    self._logger.info("%s", line)
+
 
 class DefaultHandler:
     """The access log's default writer: records go on a queue as they are (the loop pays a put, ~1 us), and a
@@ -173,14 +197,15 @@ class DefaultHandler:
     the queue, the redaction's regexes), measured with ``python -m bench run access-log``. ``stop`` writes what is
     still queued."""
 
-    def __init__(self, fmt: AccessLogFormat, stream: IO[str]) -> None:
+    def __init__(self, fmt: AccessLogFormat, stream: LineSink) -> None:
         self._format = format_json if fmt == "json" else format_text
         self._stream = stream
-        self._records: queue.SimpleQueue[AccessRecord | None] = queue.SimpleQueue()
+        # A record, lines already formatted (a worker's), or None: stop.
+        self._records: queue.SimpleQueue[AccessRecord | str | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write, name="access-log", daemon=True)
         self._thread.start()
 
-    def put(self, record: AccessRecord) -> None:
+    def put(self, record: AccessRecord | str) -> None:
         self._records.put(record)
 
     def _write(self) -> None:
@@ -191,7 +216,7 @@ class DefaultHandler:
                 while len(batch) < 256:
                     batch.append(records.get_nowait())
             stop = None in batch
-            lines = [self._line(r) for r in batch if r is not None]
+            lines = [r if isinstance(r, str) else self._line(r) for r in batch if r is not None]
             if lines:
                 try:
                     self._stream.write("".join(lines))
@@ -202,7 +227,11 @@ class DefaultHandler:
                 return
 
     def _line(self, record: AccessRecord) -> str:
-        line = self._format(record)
+        try:
+            line = self._format(record)
+        except Exception:  # a bug of ours in one record must not end the thread, and with it every later line
+            logging.getLogger(__name__).exception("an access-log record could not be written: %.200r", record)
+            return ""
         redactor = active_redactor()
         return (redactor.redact_within(line, MESSAGE_CHARS) if redactor is not None else line) + "\n"
 
@@ -217,7 +246,7 @@ class DefaultHandler:
 _direct: DefaultHandler | None = None  # the default writer, when installed (``vllm-guard serve``)
 
 
-def install_default_handler(fmt: AccessLogFormat, stream: IO[str] | None = None) -> DefaultHandler | None:
+def install_default_handler(fmt: AccessLogFormat, stream: LineSink | None = None) -> DefaultHandler | None:
     """Write the access log to ``stream`` (standard output) from a thread of its own, unless it is off or logging
     routes it already (an operator's logging configuration). Returns the writer, started: the caller stops it
     on shutdown."""

@@ -68,11 +68,13 @@ async def build_worker_parts(
     client.parts = parts
     for engine in engines:
         engine.fingerprint.on_learn = client.flush  # learned here: the authority and the others are told at once
-    parts.access_log = ForwardedAccessLog(settings.access_log, client)
+    access_log = parts.access_log = ForwardedAccessLog(settings.access_log, client)
     await tenants.start()  # the keys file, reloaded on change
     stack.push_async_callback(tenants.close)
     await client.connect(channel)
     stack.push_async_callback(client.close)
+    # Stopped before the channel closes (the stack unwinds last in, first out): its last lines go out on it.
+    stack.callback(access_log.stop)
     if engines[0].models.cached is not None:
         with contextlib.suppress(Exception):
             await engines[0].models.counter()  # the tokenizer now, not on the first request

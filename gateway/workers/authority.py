@@ -199,8 +199,9 @@ class WorkerLink:
             held.grant.settle(msg.queue_ms)
 
     def _access(self, msg: Access) -> None:
-        """A worker's request ended: its access-log line is written here, with every process's."""
-        self.parts.access_log.write(msg.record)
+        """A worker's requests ended: their access-log lines, formatted there, are written here with every
+        process's."""
+        self.parts.access_log.write_lines(msg.lines)
 
     def _rejected(self, msg: Rejected) -> None:
         tenants = self.parts.tenants

@@ -8,8 +8,11 @@ cost bytes. The checks are compiled once per class (``decoder``, ``encoder``) fr
 - ``int``, ``bool``, ``str``: that exact JSON type (a bool is no int here); ``float``: any JSON number;
 - ``X | None``; ``tuple[X, ...]`` and ``tuple[A, B]`` from arrays; ``dict[str, X]`` and ``dict[int, X]`` from
   objects (orjson writes int keys as their digits);
-- ``Sequence[int]`` (a prompt's token ids, up to a context's worth): from an array into ``array('q')``, checked
-  by the array's constructor in C (every id an integer of 64 bits) at a tenth of the cost of a Python loop;
+- ``Sequence[int]`` (a prompt's token ids, up to a context's worth): ``array('q')``'s bytes, little-endian, in
+  hex. As a JSON array of numbers, 1,000 ids (of a 150k vocabulary) cost 32 us to decode (orjson's integers,
+  then the array, on the authority's core) and 15 us to encode; in hex 14 and 6 us, in base64 28 and 9 (CPU
+  time, best of 5 x 5,000 on the 2-core machine). Every 8 bytes are a 64-bit id: only the digits and the length
+  can be wrong;
 - a nested dataclass: an array of its fields; ``Any``: as it came.
 
 Anything else is ``Malformed``: the channel logs it and closes (``channel.py``).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import sys
 import types
 import typing
 from array import array
@@ -27,6 +31,9 @@ from typing import Any
 
 Decode = Callable[[Any], Any]
 Encode = Callable[[Any], Any]
+
+_ID_BYTES = array("q").itemsize  # 8
+_SWAP = sys.byteorder != "little"  # ids cross little-endian
 
 
 class Malformed(ValueError):
@@ -53,12 +60,19 @@ def _float(value: Any) -> float:
 
 
 def _ids(value: Any) -> array[int]:
-    if type(value) is not list:
-        raise Malformed(f"an array of ids expected, got {type(value).__name__}")
+    if type(value) is not str:
+        raise Malformed(f"token ids in hex expected, got {type(value).__name__}")
     try:
-        return array("q", value)
-    except (TypeError, OverflowError) as exc:
-        raise Malformed(f"token ids of 64 bits expected ({exc})") from None
+        raw = bytes.fromhex(value)
+    except ValueError as exc:
+        raise Malformed(f"token ids in hex expected ({exc})") from None
+    if len(raw) % _ID_BYTES:
+        raise Malformed(f"token ids of {_ID_BYTES} bytes each expected, got {len(raw)} bytes")
+    ids = array("q")
+    ids.frombytes(raw)
+    if _SWAP:
+        ids.byteswap()
+    return ids
 
 
 def _any(value: Any) -> Any:
@@ -188,7 +202,11 @@ def _seq_encoder(item: Encode) -> Encode:
 
 
 def _ids_out(value: Any) -> Any:
-    return value.tolist() if isinstance(value, array) else value
+    ids = value if isinstance(value, array) and value.typecode == "q" else array("q", value)
+    if _SWAP:
+        ids = array("q", ids)
+        ids.byteswap()
+    return ids.tobytes().hex()
 
 
 def encoder(tp: Any) -> Encode | None:

@@ -11,14 +11,15 @@ it the second would take the first's place and strand its reservation. The clien
     Progress {tokens by key, moves by engine}        State {engines, supervisors, capacity}
     Release {key, completed, generated}              MetricsAsk {ask}
     End {key, queue_ms}                              Alive {}   (every ``ALIVE_EVERY`` seconds)
-    Rejected, Serving, Access, MetricsReply
+    Rejected, Serving, Access {lines}, MetricsReply
 
 A frame is ``[kind, [fields...]]`` (``codec.py``); ``decode`` checks every field of a message against its type
 when it arrives, so a handler never sees a malformed one. Measured with ``python -m timeit`` (CPython 3.11, a
 busy 2-core host): an admit of a 30-token prompt encodes in 2.7 us and decodes (orjson and every check) in
-4.7 us, against 0.7 and 1.1 us as the untyped dict it replaced; a release 0.2 and 0.9 us (0.1 and 0.2); an
-access-log record 1.9 and 3.3 us. That is about 6 us more of the authority's loop per request. pydantic
-(``TypeAdapter.validate_json`` of the same admit as dataclasses) took 6-8 us to decode alone.
+4.7 us, against 0.7 and 1.1 us as the untyped dict it replaced; a release 0.2 and 0.9 us (0.1 and 0.2). That is
+about 6 us more of the authority's loop per request. pydantic (``TypeAdapter.validate_json`` of the same admit as
+dataclasses) took 6-8 us to decode alone. Access-log lines cross formatted and redacted, a batch a message: the
+authority only writes them (formatting a record there cost its core tens of microseconds a request).
 
 An error refused by the authority (a full queue, a tenant's limit, a deadline) reaches the worker as the same
 ``GatewayError`` subclass with the same fields, so that the HTTP layer answers it exactly as it would have in one
@@ -39,7 +40,6 @@ from gateway.admission.prefix import PromptPrefix
 from gateway.admission.reservation import Destination
 from gateway.engine.vllm_api import ServedModel
 from gateway.errors import GatewayError
-from gateway.observe.access_log import FIELDS, AccessRecord
 from gateway.workers.codec import Decode, Encode, Malformed, decoder, encoder
 
 ALIVE_EVERY = 0.5  # seconds between the authority's heartbeats (``remote.py`` judges their absence)
@@ -152,8 +152,10 @@ class Serving:
 
 @dataclass(frozen=True, slots=True)
 class Access:
+    """Access-log lines the worker formatted and redacted, each ending in a newline, for the authority to write."""
+
     KIND: ClassVar[str] = "access"
-    record: AccessRecord
+    lines: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,49 +214,9 @@ Message = (
 
 
 # -- frames -------------------------------------------------------------------------------------------
-_BIG = -(2**63), 2**63  # what JSON carries exactly: a client's integer beyond it crosses as its digits
-
-
-def _big_out(value: object) -> object:
-    if type(value) is int and not _BIG[0] <= value < _BIG[1]:
-        return {"int": str(value)}
-    return value
-
-
-def _big_in(value: Any) -> int | None:
-    if value is None or type(value) is int:
-        return value
-    digits = value.get("int") if type(value) is dict else None
-    if type(digits) is not str or len(digits) > 4300:
-        raise Malformed("an integer expected")
-    try:
-        return int(digits)
-    except ValueError:
-        raise Malformed("an integer expected") from None
-
-
-def _record_codec() -> tuple[Encode, Decode]:
-    """An access record's fields, an integer the client sent (``max_tokens`` 10^30) kept whole."""
-    hints = typing.get_type_hints(AccessRecord)
-    checks: list[Decode] = [_big_in if hints[name] in (int, int | None) else decoder(hints[name]) for name in FIELDS]
-
-    def encode(msg: Access) -> list[Any]:
-        return [[_big_out(getattr(msg.record, name)) for name in FIELDS]]
-
-    def decode(value: Any) -> Access:
-        if type(value) is not list or len(value) != 1 or type(value[0]) is not list or len(value[0]) != len(FIELDS):
-            raise Malformed(f"an access record of {len(FIELDS)} fields expected")
-        return Access(AccessRecord(*[check(x) for check, x in zip(checks, value[0], strict=True)]))
-
-    return encode, decode
-
-
 def _codecs() -> dict[str, tuple[type, Encode, Decode]]:
     kinds: dict[str, tuple[type, Encode, Decode]] = {}
     for cls in typing.get_args(Message):
-        if cls is Access:
-            kinds[cls.KIND] = (cls, *_record_codec())
-            continue
         out = encoder(cls)
         assert out is not None
         kinds[cls.KIND] = (cls, out, decoder(cls))

@@ -105,12 +105,55 @@ def test_the_default_handler_writes_every_record_whatever_the_log_level() -> Non
     assert out.getvalue() == format_text(RECORD) + "\n"
 
 
+def test_a_workers_lines_are_written_as_they_are_in_turn_with_this_process_s_records() -> None:
+    out = io.StringIO()
+    listener = install_default_handler("text", out)
+    assert listener is not None
+    try:
+        log = AccessLog("text")
+        log.write(RECORD)
+        log.write_lines("request_id=w-1 status=200\nrequest_id=w-2 status=429\n")
+        log.write(RECORD)
+    finally:
+        listener.stop()
+    line = format_text(RECORD) + "\n"
+    assert out.getvalue() == line + "request_id=w-1 status=200\nrequest_id=w-2 status=429\n" + line
+
+
+def test_a_workers_lines_go_to_the_logger_one_record_a_line_where_logging_routes_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER_NAME)
+    AccessLog("text").write_lines("request_id=w-1\nrequest_id=w-2\n")
+    AccessLog("off").write_lines("request_id=w-3\n")
+    assert [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME] == ["request_id=w-1", "request_id=w-2"]
+
+
 def test_off_installs_nothing() -> None:
     assert install_default_handler("off") is None
 
 
 # -- every field bounded, whatever the request ------------------------------------------------------
 HUGE = 8 * 1024 * 1024  # a model name of 8 MiB fits the default --max-body-bytes
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_an_integer_a_client_sent_beyond_64_bits_is_written_whole_and_the_writer_writes_on(fmt: str) -> None:
+    huge = replace(RECORD, max_tokens_asked=10**30)
+    out = io.StringIO()
+    listener = install_default_handler(fmt, out)  # type: ignore[arg-type]
+    assert listener is not None
+    try:
+        log = AccessLog(fmt)  # type: ignore[arg-type]
+        log.write(huge)
+        log.write(RECORD)
+    finally:
+        listener.stop()
+    first, second = out.getvalue().splitlines()
+    assert "1000000000000000000000000000000" in first
+    if fmt == "json":
+        assert orjson.loads(second) == orjson.loads(format_json(RECORD))
+        assert first == format_json(huge) and '"max_tokens_asked":1000000000000000000000000000000' in first
 
 
 @pytest.mark.parametrize("fmt", ["text", "json"])

@@ -17,6 +17,7 @@ from gateway.engine.progress import ProgressDetector
 from gateway.tenants import Grant
 from gateway.workers.authority import Authority, WorkerLink
 from gateway.workers.messages import (
+    Access,
     Admit,
     Admitted,
     Booking,
@@ -90,9 +91,10 @@ async def world() -> SimpleNamespace:
     progress = ProgressDetector(15.0)
     engine = SimpleNamespace(progress=progress, fingerprint=SimpleNamespace(learn=lambda value: None))
     tenants = Tenants()
+    written: list[str] = []
     parts = SimpleNamespace(
         admission=SimpleNamespace(reservation=reservation, budget_blocks=lambda: None),
-        tenants=tenants, every_engine=lambda: [engine],
+        tenants=tenants, every_engine=lambda: [engine], access_log=SimpleNamespace(write_lines=written.append),
     )
     authority = Authority(parts, Path("/nonexistent"))  # type: ignore[arg-type]
     authority.counts = Counts()  # type: ignore[assignment]
@@ -100,7 +102,7 @@ async def world() -> SimpleNamespace:
     authority.links.add(link)
     wire = Transport()
     link.channel.connection_made(wire)  # type: ignore[arg-type]
-    return SimpleNamespace(link=link, wire=wire, booked=booked, tenants=tenants, progress=progress)
+    return SimpleNamespace(link=link, wire=wire, booked=booked, tenants=tenants, progress=progress, written=written)
 
 
 def booking(rid: str, deadline: float | None = None, objective: float | None = None) -> Booking:
@@ -167,3 +169,8 @@ async def test_a_worker_gone_takes_its_streams_out_of_the_engines_view(world: Si
     assert progress.in_flight == 1
     progress.closed()
     assert progress.in_flight == 0 and not progress.has_work()  # idle: judged and probed no more
+
+
+async def test_a_workers_access_log_lines_are_written_here_as_the_worker_formatted_them(world: SimpleNamespace) -> None:
+    receive(world, Access("request_id=a status=200\nrequest_id=b status=429\n"), Access("request_id=c status=200\n"))
+    assert world.written == ["request_id=a status=200\nrequest_id=b status=429\n", "request_id=c status=200\n"]

@@ -1,18 +1,19 @@
 """Every kind of message crosses as itself; one whose fields are not of their types is refused on arrival. A
 refusal crosses from the authority to a worker as the same error, with the same fields; a prompt's ids cross as
-64-bit integers, or not at all when no engine would accept them."""
+64-bit integers (their bytes in hex), or not at all when no engine would accept them."""
 
 from __future__ import annotations
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway import errors
 from gateway.admission.ledger import Capacity
 from gateway.admission.prefix import PromptPrefix
 from gateway.admission.reservation import Destination
 from gateway.engine.vllm_api import ServedModel
-from gateway.observe.access_log import AccessRecord
 from gateway.workers.codec import Malformed
 from gateway.workers.messages import (
     Access,
@@ -44,11 +45,6 @@ from gateway.workers.messages import (
 
 BOOKING = Booking("client-id", 16, 32, 2, 3, "search", 1.5, crossing_prefix(PromptPrefix((1, 2, 3), "tiny")),
                   ("e0",), "tiny/chat", 2.5, 0.8, 4)
-RECORD = AccessRecord(
-    time=1.7e9, request_id="r", tenant=None, route="chat", model="tiny", status=200, outcome="ok", reason=None,
-    prompt_tokens=16, max_tokens_asked=10**30, max_tokens=32, truncated_tokens=None, queue_ms=1.5, engine="e0",
-    ttft_ms=None, duration_ms=20.0, completion_tokens=32, trace_id=None,
-)
 STATE = State(
     (EngineState(False, None, "http://e0", error_data(errors.UpstreamHung("hung", retry_after=5.0)), True, "fp",
                  (ServedModel("tiny", "/m", 2048, None),)),
@@ -58,7 +54,7 @@ STATE = State(
 EVERY_KIND: list[Message] = [
     Admit(1, BOOKING, Charge("search", 16, 64)), Admit(2, BOOKING, None), Withdraw(3),
     Progress({1: 40, 2: 7}, {0: (1, -2, 3)}, {0: "fp", 1: None}), Release(4, True, 30), End(5, 12.5),
-    Rejected("search", "queue_full"), Serving(), Access(RECORD),
+    Rejected("search", "queue_full"), Serving(), Access("time=2026-12-05T07:00:00.000Z request_id=r status=200\n"),
     MetricsReply(6, (["vllm_guard_requests", "counter", "doc", "", [["x_total", {"route": "chat"}, 3.0]]],)),
     Admitted(7, 0.5, {"x-ratelimit-remaining-requests": "3"}, Destination("e0", 0, None)), Admitted(8, 0.0, {}, None),
     Refused(9, error_data(errors.QueueFull("The queue is full.", retry_after=3.0)), {}), Refused(10, None, {}),
@@ -93,8 +89,10 @@ MALFORMED = {
     "a string header": ["admitted", [1, 0.0, {"a": 1}, None]],
     "an engine index that is no number": ["progress", [{}, {"zero": [1, 2, 3]}, {}]],
     "a move of two counts": ["progress", [{}, {"0": [1, 2]}, {}]],
-    "an id that is no integer": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, [[1, "2"], ""], *TAIL], None]],
-    "an id past 64 bits": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, [[2**63], ""], *TAIL], None]],
+    "ids as an array": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, [[1, 2], ""], *TAIL], None]],
+    "ids that are no hex": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, ["0100000000000g00", ""], *TAIL], None]],
+    "ids of a length that is no multiple of 8 bytes": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, ["010203", ""], *TAIL],
+                                                                 None]],
     "an objective that is no number": ["admit", [1, ["r", 1, 1, 1, 0, "t", 1.0, None, [], "", None, "1", 0], None]],
 }
 
@@ -107,7 +105,7 @@ def test_a_message_whose_fields_are_not_of_their_types_is_refused(frame: object)
 
 @pytest.mark.parametrize(
     ("frame", "droppable"),
-    [(["rejected", ["t", 1]], True), (["access", [[1]]], True), (["release", [1, "yes", 3]], False)],
+    [(["rejected", ["t", 1]], True), (["access", [1]], True), (["release", [1, "yes", 3]], False)],
 )
 def test_only_what_nothing_waits_on_may_be_dropped(frame: object, droppable: bool) -> None:
     with pytest.raises(Malformed) as caught:
@@ -144,6 +142,8 @@ def test_an_unknown_class_becomes_a_retryable_unavailable() -> None:
     [
         (None, None),
         (PromptPrefix((1, 2, 3), "tiny"), [1, 2, 3]),
+        (PromptPrefix((0, -1, 2**63 - 1, -(2**63)), "tiny"), [0, -1, 2**63 - 1, -(2**63)]),
+        (PromptPrefix((), "tiny"), []),
         (PromptPrefix((1, 2**64), "tiny"), None),  # no engine accepts it; its blocks are never shared
         (PromptPrefix((1, "2"), "tiny"), None),  # type: ignore[arg-type]
     ],
@@ -153,3 +153,12 @@ def test_a_prompts_ids_cross_as_they_are(prefix: PromptPrefix | None, crosses: l
     assert isinstance(admit, Admit)
     got = admit.booking.prefix
     assert (None if got is None else list(got.ids)) == crosses
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=-(2**63), max_value=2**63 - 1), max_size=2048), st.text(max_size=8))
+def test_any_ids_of_64_bits_cross_whole_and_in_order(ids: list[int], salt: str) -> None:
+    booking = Booking("r", len(ids), 1, 1, 0, "t", 1.0, crossing_prefix(PromptPrefix(ids, salt)), (), "", None, None, 0)
+    admit = through(Admit(1, booking, None))
+    assert isinstance(admit, Admit) and admit.booking.prefix is not None
+    assert list(admit.booking.prefix.ids) == ids and admit.booking.prefix.salt == salt
