@@ -179,7 +179,7 @@ class AccessLog:
             self._logger.info("%s", self._format(record))
 
     def write_lines(self, text: str) -> None:
-        """Lines another process formatted and redacted (a worker's: ``workers/remote.py``), each ending in a
+        """Lines another process formatted and redacted (a worker's: ``workers/access_log.py``), each ending in a
         newline, written as they are with this process's own."""
         direct = _direct
         if direct is not None and self.fmt != "off":

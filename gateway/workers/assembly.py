@@ -23,8 +23,9 @@ from gateway.engine.progress import ProgressDetector
 from gateway.guard.models import Models
 from gateway.guard.parts import Parts
 from gateway.metrics import Metrics
+from gateway.workers.access_log import ForwardedAccessLog
 from gateway.workers.mirror import MirroredEngine, SupervisorMirror
-from gateway.workers.remote import AuthorityClient, ForwardedAccessLog, RemoteAdmission, RemoteTenants
+from gateway.workers.remote import AuthorityClient, RemoteAdmission, RemoteTenants
 
 
 def _base_url(settings: Settings, supervisors: list[SupervisorMirror], i: int) -> Callable[[], str]:

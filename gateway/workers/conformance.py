@@ -11,7 +11,8 @@ from gateway.engine.progress import ProgressDetector
 from gateway.guard.seams import AccessLogging, Admitting, Granted, Held, Progress, TenantLimits
 from gateway.observe.access_log import AccessLog
 from gateway.tenants.service import Grant, Tenants
-from gateway.workers.remote import ForwardedAccessLog, RemoteAdmission, RemoteGrant, RemoteReservation, RemoteTenants
+from gateway.workers.access_log import ForwardedAccessLog
+from gateway.workers.remote import RemoteAdmission, RemoteGrant, RemoteReservation, RemoteTenants
 
 
 def one_process(

@@ -30,13 +30,11 @@ from gateway.config import Settings
 from gateway.errors import UpstreamUnavailable
 from gateway.guard.parts import Parts
 from gateway.metrics import Metrics
-from gateway.observe.access_log import AccessLogFormat, AccessRecord, DefaultHandler
 from gateway.periodic import Periodic
 from gateway.tenants import KeyDirectory, Tenant, Tenants
 from gateway.workers.channel import Channel
 from gateway.workers.liveness import CODE, Liveness
 from gateway.workers.messages import (
-    Access,
     Admit,
     Admitted,
     Alive,
@@ -322,51 +320,6 @@ class RemoteGrant:
 
     def settle(self, queue_ms: float) -> None:
         self._client.end(self.key, queue_ms)
-
-
-class ForwardedAccessLog:
-    """A worker's access log (``seams.AccessLogging``): a thread of this process formats and redacts its records,
-    as the default writer does (``DefaultHandler``), and each batch of lines goes to the authority in one message;
-    the authority writes every process's lines to the one output, so that no process cuts another's line. The
-    formatting is the worker's, not the authority's: the authority's core is the one all workers wait on
-    (``docs/overhead.md``, "The authority's coordination, per process"). ``stop`` sends what is still queued."""
-
-    def __init__(self, fmt: AccessLogFormat, client: AuthorityClient) -> None:
-        self.fmt = fmt
-        self._client = client
-        self._loop = asyncio.get_running_loop()
-        self._writer = DefaultHandler(fmt, _ToAuthority(self)) if fmt != "off" else None
-
-    @property
-    def on(self) -> bool:
-        return self.fmt != "off"
-
-    def write(self, record: AccessRecord) -> None:
-        if self._writer is not None:
-            self._writer.put(record)  # formatted by its thread, then sent from the loop (``_ToAuthority``)
-
-    def write_lines(self, text: str) -> None:
-        if self.fmt != "off" and text:
-            self._client.send(Access(text))
-
-    def stop(self) -> None:
-        if self._writer is not None:
-            self._writer.stop()
-            self._writer = None
-
-
-class _ToAuthority:
-    """The worker's access-log thread's output: each batch of lines is sent on the loop, the channel's thread."""
-
-    def __init__(self, log: ForwardedAccessLog) -> None:
-        self._log = log
-
-    def write(self, text: str) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: the worker is stopping
-            self._log._loop.call_soon_threadsafe(self._log.write_lines, text)
-
-    def flush(self) -> None:
-        pass  # sent as written
 
 
 class RemoteUsage:
