@@ -54,16 +54,14 @@ async def test_a_shared_prefix_flood_through_strict_shares_and_never_preempts(
 ) -> None:
     metrics = f"{vllm.url}/metrics"
     before = {n: scrape_counter(metrics, n) for n in ("vllm:num_preemptions_total", "vllm:prefix_cache_hits_total")}
-    peak, ratio = 0, 0.0
+    samples: list[tuple[int, float | None]] = []  # (admitted at once, sharing ratio) as /guard/status showed them
     done = asyncio.Event()
     async with httpx.AsyncClient(timeout=300.0, limits=httpx.Limits(max_connections=FLOOD + 2)) as client:
 
         async def watch() -> None:
-            nonlocal peak, ratio
             while not done.is_set():
                 status = (await client.get(f"{strict_gateway.url}/guard/status")).json()
-                peak = max(peak, status["in_flight"])
-                ratio = max(ratio, status["prefix_sharing"]["sharing_ratio"] or 0.0)
+                samples.append((status["in_flight"], status["prefix_sharing"]["sharing_ratio"]))
                 await asyncio.sleep(0.05)
 
         watcher = asyncio.create_task(watch())
@@ -78,6 +76,13 @@ async def test_a_shared_prefix_flood_through_strict_shares_and_never_preempts(
     assert scrape_counter(metrics, "vllm:num_preemptions_total") == before["vllm:num_preemptions_total"]
     hits = scrape_counter(metrics, "vllm:prefix_cache_hits_total") - before["vllm:prefix_cache_hits_total"]
     assert hits >= (FLOOD - 1) * SHAREABLE * BLOCK  # vLLM shared what the gateway booked once
-    peak = max(peak, held_at_once(strict_gateway, [f"shared-{i}" for i in range(FLOOD)])[""])
-    assert peak >= 5 and ratio > 2.0  # unshared, 11-block requests would run two at a time in 31 blocks
+    # The most held at once comes from the gateway's own clock: on a busy machine the whole flood can finish between
+    # two samples of /guard/status (it did in CI, every sample before or after it). Unshared, 11-block requests
+    # would run two at a time in 31 blocks; booked once, the 9 prefix blocks leave 2 of each request's own.
+    peak = max([n for n, _ in samples] + [held_at_once(strict_gateway, [f"shared-{i}" for i in range(FLOOD)])[""]])
+    assert peak >= 5
+    # Whatever sample did catch five or more admitted shows the prefix booked once: 11k logical blocks over 9 + 2k
+    # physical (3.9 at the 11 a quiet machine admits) is above 2 from k = 3 on; checked from 5.
+    caught = [(n, ratio) for n, ratio in samples if n >= 5]
+    assert all(ratio is not None and ratio > 2.0 for _, ratio in caught), caught
     assert final["committed_blocks"] == 0 and final["prefix_sharing"]["shared_blocks_held"] == 0
