@@ -246,7 +246,7 @@ class Admission:
             raise
 
     def first_token(self, r: Reservation, seconds: float) -> None:
-        self._deadlines.first_token(seconds, waited=r.queue_ms / 1000.0, queued=r.waited, limit=r.wait_limit)
+        self._deadlines.first_token(seconds, waited=r.queue_ms / 1000.0, queued=r.queued_anywhere, limit=r.wait_limit)
 
     def leave(self, r: Reservation) -> None:
         """Give back ``r``'s blocks, or withdraw it from the queue (``Reservation.release``; idempotent)."""
@@ -330,7 +330,7 @@ class Admission:
         site.policy.admitted(r, site.capacity())
         waited = max(0.0, self._clock() - enqueued_at)
         r.target = site.target
-        r.admit(waited)
+        r.admit(waited, engine_queued=site.engine_queued)
         site.books.commit(r)
         self._headroom.commit(r)
         self._queue.served(r, prompt_tokens=r.prompt_tokens)

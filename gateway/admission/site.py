@@ -123,6 +123,7 @@ class Site:
         self.in_flight: set[Reservation] = set()
         self.recent = RecentPrefixes()
         self.foreign = 0  # sequences the engine runs or queues beyond the gateway's, at the last snapshot
+        self.engine_queued = False  # its engine had requests of its own waiting, at the last snapshot
         self.admitted_total = 0
 
     @property
@@ -165,6 +166,7 @@ class Site:
         more within the TTFT objective."""
         old, new = self.observe(old), self.observe(new)
         self.foreign = foreign_sequences(new, self.in_flight)
+        self.engine_queued = bool(new.waiting)
         return self.projector.observe(
             old, new, self.in_flight, foreign=self.foreign > 0, held_back=held_back, compute_room=compute_room
         )
