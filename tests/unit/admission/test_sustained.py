@@ -267,3 +267,19 @@ async def test_with_feedback_a_request_queued_under_the_derived_wait_is_refused_
     for r in running:
         r.release()
     rig.assert_drained()
+
+
+@pytest.mark.parametrize(("waiting", "unhurried"), [
+    pytest.param(0, 2.0, id="admitted as they arrived into an engine with nothing waiting: its unhurried time"),
+    pytest.param(3, None, id="admitted as they arrived into an engine's own queue: queued there, not unhurried"),
+])
+async def test_the_unhurried_time_counts_only_requests_that_waited_in_no_queue_the_engines_own_included(
+    waiting: int, unhurried: float | None
+) -> None:
+    rig = Rig(engine=True, admission_policy="strict")
+    await rig.scrape(0.0, running=2, waiting=waiting)
+    for _ in range(MIN_SAMPLES):
+        async with rig.req(1) as r:
+            rig.adm.first_token(r, 2.0)
+    assert rig.adm.status()["deadlines"]["engine_first_token_unqueued_s"] == unhurried
+    rig.assert_drained()
