@@ -81,8 +81,8 @@ class WaitLimit:
 
 class FirstTokens:
     """The engine's time from a request's write to it to a first token, over the requests admitted lately; and,
-    apart, over the last ``UNQUEUED_SAMPLES`` requests admitted as they arrived (nothing kept them waiting: the
-    engine was not overloaded), whenever that was."""
+    apart, over the last ``UNQUEUED_SAMPLES`` requests admitted as they arrived into an engine with none of its own
+    waiting (nothing kept them waiting: the engine was not overloaded), whenever that was."""
 
     def __init__(self, clock: Callable[[], float], window: float = WINDOW_SECONDS) -> None:
         self._clock = clock
@@ -192,7 +192,8 @@ class Deadlines:
 
     def first_token(self, seconds: float, *, waited: float, queued: bool, limit: WaitLimit | None) -> None:
         """A request admitted after waiting ``waited`` seconds under ``limit`` streamed its first token ``seconds``
-        after its admission; ``queued``: it waited for a release (rather than being admitted as it arrived)."""
+        after its admission; ``queued``: it waited for a release, or was admitted as it arrived into an engine with
+        requests waiting in its own queue (rather than into an engine that took it at once)."""
         # While an overload is sustained, a request admitted as it arrived still joins a full engine: its time is the
         # load's, not the engine's unhurried one, and the derived wait resting on it would drift up with the load.
         self.first_tokens.add(seconds, queued=queued or (self.feedback and self.sustained.sustained))
