@@ -40,12 +40,13 @@ The engine's time now is not the basis, though it is what a request admitted now
 fills and every step slows, the very thing the reach does under an overload, and a wait that grew with it would let
 the queue and the batch grow together (and make the bound on the engine's time always hold). The unhurried time is
 mostly a property of the engine and the prompts, not of the load, though requests admitted as they arrived into an
-engine already filling (with nothing yet waiting in it) count too. Measured on vLLM's CPU build under the realistic benchmark's sustained overload
-(16 streams/s, docs/history/realistic-default-objective.md): the unqueued time 0.09 s at the start, 0.6-1.06 s
-once the engine filled; the time now 0.6-1.0 s while the overload was sustained. So there the wait was the floor
-(1.06 s at most) whichever it rested on, and the choice rests on the argument above, which those runs could not
-tell apart. The clients' own deadlines still apply, whichever comes first; they are no basis for the objective,
-since most clients say nothing (vLLM's benchmark client) or give minutes (the OpenAI SDKs: 600 s).
+engine already filling (with nothing yet waiting in it) count too. Measured on vLLM's CPU build under the realistic
+benchmark's sustained overload (16 streams/s, docs/history/realistic-default-objective.md): the unqueued time 0.09 s
+at the start, 0.6-1.06 s once the engine filled; the time now 0.6-1.0 s while the overload was sustained. So there
+the wait was the floor (1.06 s at most) whichever it rested on, and the choice rests on the argument above, which
+those runs could not tell apart. The clients' own deadlines still apply, whichever comes first; they are no basis
+for the objective, since most clients say nothing (vLLM's benchmark client) or give minutes (the OpenAI SDKs:
+600 s).
 
 The floor keeps the queue deep enough to feed an engine whose first tokens come fast (a GPU's take tens of
 milliseconds): a second of releases covers many admissions. The operator's ``--ttft-objective SECONDS`` holds
