@@ -107,7 +107,7 @@ class Reservation:
         self._phase = Phase.NEW
         self._future: asyncio.Future[None] | None = None
         self._waited = False
-        self.engine_queued = False  # admitted while its engine had requests waiting (``admit``)
+        self._engine_queued = False  # admitted while its engine had requests waiting (``admit``)
         self._cut = False
         self._generated = 0
         self._observed = False
@@ -187,7 +187,7 @@ class Reservation:
     def queued_anywhere(self) -> bool:
         """Whether it waited in the queue, or was admitted as it arrived into an engine with requests waiting in
         its own: either way its first token came after a queue's wait, not the engine's unhurried time."""
-        return self._waited or self.engine_queued
+        return self._waited or self._engine_queued
 
     @property
     def completed_output(self) -> int | None:
@@ -285,7 +285,7 @@ class Reservation:
     def admit(self, waited_seconds: float, *, engine_queued: bool = False) -> None:
         """``engine_queued``: its engine had requests of its own waiting as it was admitted."""
         self._move(Phase.ADMITTED, (Phase.QUEUED,))
-        self.engine_queued = engine_queued
+        self._engine_queued = engine_queued
         self._admitted_at = self._clock()
         self.queue_ms = waited_seconds * 1000.0
         if self._future is not None and not self._future.done():
