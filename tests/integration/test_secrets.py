@@ -20,7 +20,6 @@ import httpx
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from gateway.config import Settings
@@ -28,6 +27,7 @@ from gateway.engine.client import Upstream
 from gateway.engine.live import FAILED_SCRAPES_DOWN
 from gateway.redact import SecretRedactor, install_log_redaction, redact_url, redact_urls_in
 from testing.gateway_thread import GatewayServer, free_port, run_gateway
+from testing.servers import metric_sum
 from testing.vllm_sim import SimConfig, run_sim_server
 
 USER, PASSWORD = "guard-user-7f3a", "pw/5ecret@91c2"
@@ -233,22 +233,19 @@ def shown_by(gw: GatewayServer) -> dict[str, httpx.Response]:
         }
 
 
+SCRAPE_ERRORS = "vllm_guard_engine_scrape_errors_total"
+
+
 def until_known_down(gw: GatewayServer, within: float = 10.0) -> None:
     """Until /health says down and the request path would refuse too: ``FAILED_SCRAPES_DOWN`` scrapes have failed.
     /health says down from the start (no model listing read yet), before a request is refused: on a busy host the
     first requests came after one failed scrape, reached the upstream and got its own fault (a 502)."""
     deadline = time.monotonic() + within
     with httpx.Client(base_url=gw.url, timeout=5) as http:
-        while http.get("/health").status_code != 503 or scrape_errors(http.get("/metrics").text) < FAILED_SCRAPES_DOWN:
+        while (http.get("/health").status_code != 503
+               or metric_sum(http.get("/metrics").text, SCRAPE_ERRORS) < FAILED_SCRAPES_DOWN):
             assert time.monotonic() < deadline, f"the engine not yet known down after {within:g} s"
             time.sleep(0.05)
-
-
-def scrape_errors(metrics: str) -> float:
-    for family in text_string_to_metric_families(metrics):
-        if family.name == "vllm_guard_engine_scrape_errors":
-            return sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
-    return 0.0
 
 
 def assert_nothing_leaks(answers: dict[str, httpx.Response], caplog: pytest.LogCaptureFixture) -> None:
