@@ -391,7 +391,7 @@ class Admission:
     def _on_snapshot(self, engine: int, old: EngineSnapshot, new: EngineSnapshot) -> None:
         self._sites.follow_ranks(engine, new)
         held_back, room = bool(self._queue) and not self._paused, self._deadlines.compute_room(len(self._in_flight))
-        self._deadlines.steer(len(self._in_flight), held_back, new.waiting)
+        self._deadlines.steer(len(self._in_flight), held_back, new.waiting, engine)
         blamed = sum(site.learn(old, new, held_back, room) for site in self._sites.of_engine(engine))
         self._metrics.record_foreign(sum(s.foreign for s in self._sites), blamed)
         control = self._sites.primary.projector.optimism

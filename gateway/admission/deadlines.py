@@ -27,12 +27,14 @@ in vain.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from gateway.admission.engine_wait import EngineQueueWait
 from gateway.admission.pace import Pace
 from gateway.admission.sustained import SustainedOverload
 
@@ -46,6 +48,8 @@ QUANTILE = 0.9
 # milliseconds before either. Deadlines above it that a busy engine misses stay 503 with Retry-After.
 MIN_DEADLINE_SECONDS = 0.001
 UNQUEUED_SAMPLES = 64  # requests admitted as they arrived, whose first tokens say what the engine takes unhurried
+
+log = logging.getLogger(__name__)
 
 
 class Deadlined(Protocol):
@@ -134,6 +138,10 @@ class Deadlines:
         self.first_tokens = FirstTokens(clock)
         self.pace = Pace()
         self._clock = clock
+        # The engines' own queues held requests longer than the derived wait through a sustained overload
+        # (``steer``): the derived objective is held as with ``feedback`` until the overload ends.
+        self.engine_queue = EngineQueueWait()
+        self.engine_bound = False
 
     def engine_seconds(self, in_flight: int) -> float:
         """The engine's time to a first token to allow for now (0 while it runs nothing of ours)."""
@@ -168,7 +176,7 @@ class Deadlines:
         aims = [self.objective] if self.objective is not None else []
         if derived and (wait := self.sustained.wait(self.unhurried())) < allowed:
             limit = WaitLimit(min(wait, self.queue_timeout), True, engine, derived=True)
-            aims += [self.sustained.objective(self.unhurried())] if self.feedback else []
+            aims += [self.sustained.objective(self.unhurried())] if self.feedback or self.engine_bound else []
         elif allowed < self.queue_timeout:
             limit = WaitLimit(allowed, True, engine)
         else:
@@ -181,7 +189,7 @@ class Deadlines:
         overload is sustained; None: none (a burst is queued whole)."""
         if self.objective is not None:
             return self.objective
-        held = self.feedback and self.sustained.applies(self._clock())
+        held = (self.feedback or self.engine_bound) and self.sustained.applies(self._clock())
         return self.sustained.objective(self.unhurried()) if held else None
 
     @staticmethod
@@ -197,11 +205,37 @@ class Deadlines:
         # While an overload is sustained, a request admitted as it arrived still joins a full engine: its time is the
         # load's, not the engine's unhurried one, and the derived wait resting on it would drift up with the load.
         self.first_tokens.add(seconds, queued=queued or (self.feedback and self.sustained.sustained))
+        self.engine_queue.first_token(self._clock())
         self.pace.first_token(self._clock(), waited, seconds, limit.objective if limit is not None else None)
 
-    def steer(self, in_flight: int, queued: bool, engine_waiting: int | None) -> None:
-        """Tighten or loosen the pace's cap on the requests in flight (on every engine snapshot)."""
-        self.pace.step(self._clock(), self.objective_now(), in_flight, queued, engine_waiting or 0)
+    def steer(self, in_flight: int, queued: bool, engine_waiting: int | None, engine: int = 0) -> None:
+        """Tighten or loosen the pace's cap on the requests in flight (on every engine snapshot), and hold the
+        derived objective on what happened once the engines' own queues hold requests past the derived wait.
+
+        The derived wait bounds a request's time in the gateway's queue; where the engine's prefill binds before its
+        cache (1,024 blocks at twice capacity), KV room admits requests into vLLM's own queue instead, where nothing
+        bounds it (``engine_wait``). Once the mean wait there passes the wait the gateway allows in its own, under a
+        sustained overload, the derived objective is held as ``--sustained-feedback on`` holds it: the pace caps the
+        requests in flight, an arrival it would hold past its wait is refused at once, a queued one once known late;
+        until the overload ends. Where the cache binds first, vLLM's queue holds a request hundredths of a second
+        and nothing changes."""
+        now = self._clock()
+        self.engine_queue.snapshot(now, engine, engine_waiting or 0)
+        if not self.sustained.applies(now):
+            if self.engine_bound:
+                log.info("the sustained overload ended: the derived TTFT objective judges arrivals only again")
+            self.engine_bound = False
+        elif not self.engine_bound and not self.feedback:
+            waited = self.engine_queue.seconds(now)
+            if waited is not None and waited > (wait := self.sustained.wait(self.unhurried())):
+                self.engine_bound = True
+                log.warning(
+                    "requests wait %.2f s on average in the engine's own queue, past the %.2f s the gateway allows "
+                    "in its queue under this sustained overload: the derived TTFT objective (%.2f s) is held on what "
+                    "happens (fewer requests in flight, arrivals that would wait past it refused) until the overload "
+                    "ends", waited, wait,
+                    self.sustained.objective(self.unhurried()))
+        self.pace.step(now, self.objective_now(), in_flight, queued, engine_waiting or 0)
 
     def unhurried(self) -> float:
         """The engine's time to a first token when not overloaded (0 before any was seen)."""
@@ -238,6 +272,9 @@ class Deadlines:
             "ttft_objective": "auto" if self.sustained.enabled else "off" if self.objective is None else "seconds",
             "ttft_objective_s": self.objective if derived is None else round(derived, 3),
             "sustained_overload": self.sustained.applies(self._clock()),
+            "engine_bound": self.engine_bound,
+            "engine_queue_wait_s": None if (waited := self.engine_queue.seconds(self._clock())) is None else round(
+                waited, 3),
             "engine_first_token_s": None if estimate is None else round(estimate, 3),
             "engine_first_token_unqueued_s": None if unhurried is None else round(unhurried, 3),
             **{f"pace_{k}": v for k, v in self.pace.status().items()},
