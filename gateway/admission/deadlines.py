@@ -138,10 +138,9 @@ class Deadlines:
         self.first_tokens = FirstTokens(clock)
         self.pace = Pace()
         self._clock = clock
-        # The engines' own queues held requests longer than the derived wait through a sustained overload
-        # (``steer``): the derived objective is held as with ``feedback`` until the overload ends.
+        # The mean wait in the engines' own queues (``steer`` tells the operator when it passes the derived wait).
         self.engine_queue = EngineQueueWait()
-        self.engine_bound = False
+        self._told = False  # that it did, in this sustained overload
 
     def engine_seconds(self, in_flight: int) -> float:
         """The engine's time to a first token to allow for now (0 while it runs nothing of ours)."""
@@ -176,7 +175,7 @@ class Deadlines:
         aims = [self.objective] if self.objective is not None else []
         if derived and (wait := self.sustained.wait(self.unhurried())) < allowed:
             limit = WaitLimit(min(wait, self.queue_timeout), True, engine, derived=True)
-            aims += [self.sustained.objective(self.unhurried())] if self.feedback or self.engine_bound else []
+            aims += [self.sustained.objective(self.unhurried())] if self.feedback else []
         elif allowed < self.queue_timeout:
             limit = WaitLimit(allowed, True, engine)
         else:
@@ -189,7 +188,7 @@ class Deadlines:
         overload is sustained; None: none (a burst is queued whole)."""
         if self.objective is not None:
             return self.objective
-        held = (self.feedback or self.engine_bound) and self.sustained.applies(self._clock())
+        held = self.feedback and self.sustained.applies(self._clock())
         return self.sustained.objective(self.unhurried()) if held else None
 
     @staticmethod
@@ -209,32 +208,28 @@ class Deadlines:
         self.pace.first_token(self._clock(), waited, seconds, limit.objective if limit is not None else None)
 
     def steer(self, in_flight: int, queued: bool, engine_waiting: int | None, engine: int = 0) -> None:
-        """Tighten or loosen the pace's cap on the requests in flight (on every engine snapshot), and hold the
-        derived objective on what happened once the engines' own queues hold requests past the derived wait.
+        """Tighten or loosen the pace's cap on the requests in flight (on every engine snapshot); and tell the
+        operator when the engines' own queues hold requests past the derived wait.
 
         The derived wait bounds a request's time in the gateway's queue; where the engine's prefill binds before its
         cache (1,024 blocks at twice capacity), KV room admits requests into vLLM's own queue instead, where nothing
-        bounds it (``engine_wait``). Once the mean wait there passes the wait the gateway allows in its own, under a
-        sustained overload, the derived objective is held as ``--sustained-feedback on`` holds it: the pace caps the
-        requests in flight, an arrival it would hold past its wait is refused at once, a queued one once known late;
-        until the overload ends. Where the cache binds first, vLLM's queue holds a request hundredths of a second
-        and nothing changes."""
+        bounds it (``engine_wait``), and first tokens come late. ``--sustained-feedback on`` bounds it (the pace caps
+        the requests in flight), at a cost in tokens/s where the cache binds; holding the derived objective so only
+        once the wait there passed the derived one was measured and not taken (docs/realistic.md): the warning says
+        so once an overload, and ``/guard/status`` tells the wait (``engine_queue_wait_s``)."""
         now = self._clock()
         self.engine_queue.snapshot(now, engine, engine_waiting or 0)
         if not self.sustained.applies(now):
-            if self.engine_bound:
-                log.info("the sustained overload ended: the derived TTFT objective judges arrivals only again")
-            self.engine_bound = False
-        elif not self.engine_bound and not self.feedback:
+            self._told = False
+        elif not self._told and not self.feedback:
             waited = self.engine_queue.seconds(now)
             if waited is not None and waited > (wait := self.sustained.wait(self.unhurried())):
-                self.engine_bound = True
+                self._told = True
                 log.warning(
-                    "requests wait %.2f s on average in the engine's own queue, past the %.2f s the gateway allows "
-                    "in its queue under this sustained overload: the derived TTFT objective (%.2f s) is held on what "
-                    "happens (fewer requests in flight, arrivals that would wait past it refused) until the overload "
-                    "ends", waited, wait,
-                    self.sustained.objective(self.unhurried()))
+                    "requests wait %.2f s on average in the engine's own queue, past the %.2f s the gateway lets them "
+                    "wait in its own under this sustained overload: the engine's prefill, not its KV cache, binds, "
+                    "and first tokens come late; --sustained-feedback on bounds that wait (fewer requests in flight), "
+                    "at a cost in tokens/s", waited, wait)
         self.pace.step(now, self.objective_now(), in_flight, queued, engine_waiting or 0)
 
     def unhurried(self) -> float:
@@ -272,7 +267,6 @@ class Deadlines:
             "ttft_objective": "auto" if self.sustained.enabled else "off" if self.objective is None else "seconds",
             "ttft_objective_s": self.objective if derived is None else round(derived, 3),
             "sustained_overload": self.sustained.applies(self._clock()),
-            "engine_bound": self.engine_bound,
             "engine_queue_wait_s": None if (waited := self.engine_queue.seconds(self._clock())) is None else round(
                 waited, 3),
             "engine_first_token_s": None if estimate is None else round(estimate, 3),
