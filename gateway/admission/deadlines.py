@@ -76,6 +76,8 @@ class WaitLimit:
     # The operator's objective, or the derived one, that judged it as it arrived: once queued it is refused as soon
     # as its wait so far and the engine's time to a first token now pass it (``Deadlines.late``). None: no such.
     objective: float | None = None
+    # Under a sustained overload, the wait ahead in the engine's own queue that was taken from the derived wait.
+    engine_queue: float = 0.0
 
     @property
     def queued(self) -> WaitLimit:
@@ -174,7 +176,10 @@ class Deadlines:
         # The derived wait is not cut by the engine's time now: that time is held within it (``compute_room``).
         aims = [self.objective] if self.objective is not None else []
         if derived and (wait := self.sustained.wait(self.unhurried())) < allowed:
-            limit = WaitLimit(min(wait, self.queue_timeout), True, engine, derived=True)
+            # The engine's own queue is the front of the gateway's: a request waits the derived wait in both
+            # together, and one admitted into a queue in vLLM that is already that long is refused at once.
+            ahead = min(self.engine_queue.ahead(self._clock()), wait)
+            limit = WaitLimit(min(wait - ahead, self.queue_timeout), True, engine, derived=True, engine_queue=ahead)
             aims += [self.sustained.objective(self.unhurried())] if self.feedback else []
         elif allowed < self.queue_timeout:
             limit = WaitLimit(allowed, True, engine)

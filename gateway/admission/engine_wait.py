@@ -55,6 +55,16 @@ class EngineQueueWait:
         # Little's law: (held / span) waiting on average, leaving at (departures / span) a second.
         return held / departures if departures >= MIN_DEPARTURES else None
 
+    def ahead(self, now: float) -> float:
+        """The wait a request admitted now has ahead of it in the engines' queues: those waiting at the last
+        snapshots over the rate requests left them lately (0 while too few left to say)."""
+        self._prune(now)
+        waiting = self._counts[-1][1] if self._counts else 0
+        if not waiting or len(self._departures) < MIN_DEPARTURES:
+            return 0.0
+        span = min(self._window, now - min(self._departures[0], self._counts[0][0]))
+        return waiting * span / len(self._departures) if span > 0 else 0.0
+
     def _prune(self, now: float) -> None:
         edge = now - self._window
         while len(self._counts) > 1 and self._counts[1][0] <= edge:

@@ -106,7 +106,14 @@ def timed_out(
 
 
 def deadline_now(limit: WaitLimit, retry_after: float) -> errors.DeadlineUnreachable:
-    """A request whose deadline is nearer than the engine's own time to a first token: refused as it arrives."""
+    """A request whose deadline is nearer than the engine's own time to a first token, or (under a sustained
+    overload) whose wait the engine's own queue takes whole: refused as it arrives."""
+    if limit.derived:
+        return errors.DeadlineUnreachable(
+            f"Requests wait {limit.engine_queue:.1f} s in the engine's own queue now, as long as an arriving request "
+            f"may wait while the overload is sustained (--ttft-objective auto); retry later.",
+            retry_after=retry_after,
+        )
     return errors.DeadlineUnreachable(
         f"The engine takes {limit.engine_seconds:.1f} s to a first token now; the request's deadline is "
         f"{limit.engine_seconds + limit.seconds:.1f} s away; retry later.",

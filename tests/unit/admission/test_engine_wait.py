@@ -53,3 +53,18 @@ def test_a_count_holds_until_the_next_snapshot() -> None:
     for i in range(MIN_DEPARTURES + 2):
         wait.first_token(i * 0.5)
     assert wait.seconds(5.0) == pytest.approx(6 / 2.0, rel=0.1)
+
+
+@pytest.mark.parametrize(("waiting", "rate", "ahead"), [
+    pytest.param(8, 4.0, 2.0, id="8 waiting now, 4 leaving a second: 2 s ahead of a request admitted now"),
+    pytest.param(0, 4.0, 0.0, id="none waiting: nothing ahead"),
+    pytest.param(8, 1.0, 0.0, id="too few left lately to say: nothing assumed"),
+])
+def test_the_wait_ahead_is_those_waiting_now_over_the_rate_they_leave(waiting: int, rate: float, ahead: float) -> None:
+    wait = EngineQueueWait()
+    for i in range(21):
+        now = i * 0.25
+        wait.snapshot(now, 0, waiting)
+        if i % round(1 / (rate * 0.25)) == 0:
+            wait.first_token(now)
+    assert wait.ahead(5.0) == pytest.approx(ahead, rel=0.15)

@@ -313,3 +313,28 @@ def test_an_overload_whose_engine_queues_requests_past_the_wait_is_told_once_and
     assert len(warnings) == (1 if told else 0)  # once an overload, not on every snapshot
     assert deadlines.status()["engine_queue_wait_s"] == pytest.approx(waiting / 4.0, rel=0.1)
     assert deadlines.objective_now() == objective  # what admission does is unchanged
+
+
+@pytest.mark.parametrize(("waiting", "seconds"), [
+    pytest.param(0, 1.0, id="nothing waits in the engine: the whole wait in the gateway's queue"),
+    pytest.param(2, 0.5, id="half a second ahead in the engine's queue: half a second left for the gateway's"),
+    pytest.param(8, 0.0, id="two seconds ahead there, past the wait: refused as it arrives"),
+])
+def test_under_a_sustained_overload_the_wait_ahead_in_the_engines_queue_comes_off_the_derived_wait(
+    waiting: int, seconds: float
+) -> None:
+    now = [0.0]
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: now[0])
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_tokens.add(0.1)  # unhurried: the wait is the floor of a second
+    deadlines.sustained.sustained = True
+    for step in range(21):  # five seconds of snapshots, four first tokens a second
+        now[0] = step * 0.25
+        deadlines.first_token(0.5, waited=0.0, queued=True, limit=None)
+        deadlines.steer(in_flight=8, queued=False, engine_waiting=waiting)
+    class Arriving:
+        deadline = None
+        objective = None
+
+    limit = deadlines.limit(Arriving(), in_flight=8)
+    assert limit.derived and limit.seconds == pytest.approx(seconds, abs=0.1)
