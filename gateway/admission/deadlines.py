@@ -224,6 +224,10 @@ class Deadlines:
         so once an overload, and ``/guard/status`` tells the wait (``engine_queue_wait_s``)."""
         now = self._clock()
         self.engine_queue.snapshot(now, engine, engine_waiting or 0)
+        if self.sustained.enabled:
+            wait, waited = self.sustained.wait(self.unhurried()), self.engine_queue.seconds(now)
+            if (begins := waited is not None and waited > wait) or self.engine_queue.ahead(now) >= wait / 2:
+                self.sustained.engine_backlog(now, begins=begins)
         if not self.sustained.applies(now):
             self._told = False
         elif not self._told and not self.feedback:

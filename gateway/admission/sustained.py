@@ -73,6 +73,7 @@ class SustainedOverload:
         self.sustained = False
         self._empty_since: float | None = None  # when the queue last became empty; None while requests wait
         self._refused_at = -math.inf  # when a request was last refused while the overload was sustained
+        self._engine_backlog_at = -math.inf  # when the engines' own queues last held requests past the wait
         # Requests now waiting that arrived into a backlog, with when each arrived (in arrival order).
         self._backlogged: dict[object, float] = {}
 
@@ -88,7 +89,8 @@ class SustainedOverload:
 
     def applies(self, now: float) -> bool:
         """Whether an arriving request is held to the derived objective now."""
-        calm = self._empty_since is not None and now - max(self._empty_since, self._refused_at) >= CALM_SECONDS
+        calm = self._empty_since is not None and now - max(
+            self._empty_since, self._refused_at, self._engine_backlog_at) >= CALM_SECONDS
         if self.sustained and calm:
             self.sustained = False
         return self.enabled and self.sustained
@@ -98,6 +100,17 @@ class SustainedOverload:
         (every arrival may be refused at once into an empty queue while the engine is full)."""
         if self.sustained and self._refusals_count:
             self._refused_at = now
+
+    def engine_backlog(self, now: float, *, begins: bool) -> None:
+        """The engines' own queues hold requests long at ``now``: the overload is not calm for the gateway's queue
+        being empty (KV room admits requests into vLLM's queue instead); ``begins``: they held them past the wait on
+        average lately, which makes it sustained (requests keep arriving into a queue that held them past the wait,
+        the engine's rather than the gateway's)."""
+        if not self.enabled:
+            return
+        self._engine_backlog_at = now
+        if begins:
+            self.sustained = True
 
     def arrived_into_backlog(self, key: object, now: float) -> None:
         """The request ``key`` was queued at ``now`` while one queued before it had waited past the wait already."""

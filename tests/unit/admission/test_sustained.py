@@ -290,7 +290,7 @@ async def test_the_unhurried_time_counts_only_requests_that_waited_in_no_queue_t
     pytest.param(True, False, 10, True, id="sustained, 2.5 s a request in the engine's queue: the operator is told"),
     pytest.param(True, False, 2, False, id="half a second there, within the wait of a second: nothing to tell"),
     pytest.param(True, False, 0, False, id="nothing waits in the engine (its cache binds first): nothing to tell"),
-    pytest.param(False, False, 10, False, id="no sustained overload (a burst): nothing to tell"),
+    pytest.param(False, False, 10, True, id="not sustained yet: the engine's queue past the wait makes it so"),
     pytest.param(True, True, 10, False, id="--sustained-feedback on bounds that wait already"),
 ])
 def test_an_overload_whose_engine_queues_requests_past_the_wait_is_told_once_and_changes_nothing(
