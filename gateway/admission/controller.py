@@ -121,9 +121,8 @@ class Admission:
         with prefix sharing its ``n`` sequences hold their shareable prompt blocks once."""
         cap = self.largest_capacity()
         shared = self._sharing and prefix_known
-        return max_tokens if cap is None else fit_output(
-            prompt_tokens, max_tokens, n, cap, self._settings.kv_target, clamp=clamp, shared=shared
-        )
+        return max_tokens if cap is None else fit_output(prompt_tokens, max_tokens, n, cap, self._settings.kv_target,
+                                                         clamp=clamp, shared=shared)
 
     def largest_capacity(self) -> Capacity | None:
         """The largest engine's capacity: what one request can ever be given (``fit``'s, for other processes)."""
@@ -262,6 +261,7 @@ class Admission:
             self._headroom.release(r)
             self._drain.note(now := self._clock())
             site.projector.completed(r, r.completed_output, now)
+            self._deadlines.left_engine(timed=r.timed_first_token)
             if not self._in_flight:
                 self._idle.set()
             self._pump()

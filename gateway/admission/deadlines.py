@@ -140,9 +140,9 @@ class Deadlines:
         self.first_tokens = FirstTokens(clock)
         self.pace = Pace()
         self._clock = clock
-        # The mean wait in the engines' own queues (``steer`` tells the operator when it passes the derived wait).
+        # The wait in the engines' own queues, followed on every snapshot (``_follow_engine_queue``).
         self.engine_queue = EngineQueueWait()
-        self._told = False  # that it did, in this sustained overload
+        self._told = False  # the operator was told that it passed the derived wait, in this sustained overload
 
     def engine_seconds(self, in_flight: int) -> float:
         """The engine's time to a first token to allow for now (0 while it runs nothing of ours)."""
@@ -209,37 +209,47 @@ class Deadlines:
         # While an overload is sustained, a request admitted as it arrived still joins a full engine: its time is the
         # load's, not the engine's unhurried one, and the derived wait resting on it would drift up with the load.
         self.first_tokens.add(seconds, queued=queued or (self.feedback and self.sustained.sustained))
-        self.engine_queue.first_token(self._clock())
+        self.engine_queue.departed(self._clock())
         self.pace.first_token(self._clock(), waited, seconds, limit.objective if limit is not None else None)
 
-    def steer(self, in_flight: int, queued: bool, engine_waiting: int | None, engine: int = 0) -> None:
-        """Tighten or loosen the pace's cap on the requests in flight (on every engine snapshot); and tell the
-        operator when the engines' own queues hold requests past the derived wait.
+    def left_engine(self, *, timed: bool) -> None:
+        """An admitted request ended; ``timed``: its first token was timed (``first_token``), which counted when it
+        left the engine's queue. One that was not (a whole answer, one cut before its first token) left it by now."""
+        if not timed:
+            self.engine_queue.departed(self._clock())
 
-        The derived wait bounds a request's time in the gateway's queue; where the engine's prefill binds before its
-        cache (1,024 blocks at twice capacity), KV room admits requests into vLLM's own queue instead, where nothing
-        bounds it (``engine_wait``), and first tokens come late. ``--sustained-feedback on`` bounds it (the pace caps
-        the requests in flight), at a cost in tokens/s where the cache binds; holding the derived objective so only
-        once the wait there passed the derived one was measured and not taken (docs/realistic.md): the warning says
-        so once an overload, and ``/guard/status`` tells the wait (``engine_queue_wait_s``)."""
+    def steer(self, in_flight: int, queued: bool, engine_waiting: int | None, engine: int = 0) -> None:
+        """Tighten or loosen the pace's cap on the requests in flight, and follow the engines' own queues (on every
+        engine snapshot)."""
         now = self._clock()
         self.engine_queue.snapshot(now, engine, engine_waiting or 0)
         if self.sustained.enabled:
-            wait, waited = self.sustained.wait(self.unhurried()), self.engine_queue.seconds(now)
-            if (begins := waited is not None and waited > wait) or self.engine_queue.ahead(now) >= wait / 2:
-                self.sustained.engine_backlog(now, begins=begins)
+            self._follow_engine_queue(now)
+        self.pace.step(now, self.objective_now(), in_flight, queued, engine_waiting or 0)
+
+    def _follow_engine_queue(self, now: float) -> None:
+        """See a sustained overload in the engines' own queues as well as in the gateway's.
+
+        Where the engine's prefill binds before its cache (1,024 blocks at twice capacity), KV room admits every
+        arrival into vLLM's own queue: the gateway's stays empty, nothing that watches it sees the overload, and
+        first tokens climbed to 6-8 s over its first ten seconds (docs/realistic.md). So the mean wait in the
+        engines' queues (``engine_wait``) past the derived wait makes the overload sustained, as a request that
+        waited so in the gateway's queue does; and while a request admitted now would wait half of it there or more,
+        the overload is not calm for the gateway's queue being empty (ended so, it was seen again only seconds into
+        the next climb). While it is sustained, the wait ahead in vLLM's queue comes off the derived wait
+        (``_limit``): an arrival whose whole wait that queue takes is refused at once."""
+        wait, waited = self.sustained.wait(self.unhurried()), self.engine_queue.seconds(now)
+        begins = waited is not None and waited > wait
+        if begins or self.engine_queue.ahead(now) >= wait / 2:
+            self.sustained.engine_backlog(now, begins=begins)
         if not self.sustained.applies(now):
             self._told = False
-        elif not self._told and not self.feedback:
-            waited = self.engine_queue.seconds(now)
-            if waited is not None and waited > (wait := self.sustained.wait(self.unhurried())):
-                self._told = True
-                log.warning(
-                    "requests wait %.2f s on average in the engine's own queue, past the %.2f s the gateway lets them "
-                    "wait in its own under this sustained overload: the engine's prefill, not its KV cache, binds, "
-                    "and first tokens come late; --sustained-feedback on bounds that wait (fewer requests in flight), "
-                    "at a cost in tokens/s", waited, wait)
-        self.pace.step(now, self.objective_now(), in_flight, queued, engine_waiting or 0)
+        elif begins and not self._told:
+            self._told = True
+            log.warning(
+                "requests waited %.2f s on average in the engine's own queue, past the %.2f s an arriving request may "
+                "wait under a sustained overload (--ttft-objective auto): the engine's prefill, not its KV cache, "
+                "binds; arrivals are refused while that queue holds their whole wait", waited, wait)
 
     def unhurried(self) -> float:
         """The engine's time to a first token when not overloaded (0 before any was seen)."""

@@ -8,7 +8,9 @@ engine ran slower. With 256 or 512 blocks the cache binds first and vLLM's queue
 
 The mean wait there is the mean number waiting over the mean rate at which requests leave the queue (Little's law),
 and both are at hand without a new metric: the number waiting is every engine snapshot's, and each request leaves
-vLLM's queue once and then streams its first token. A count held between snapshots stands for their interval.
+vLLM's queue once and then streams its first token (a whole answer, which tells no first token, counts as it ends:
+late, but the rate over the window holds in a steady overload). A count held between snapshots stands for their
+interval.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ class EngineQueueWait:
         self._counts.append((now, sum(self._waiting.values())))
         self._prune(now)
 
-    def first_token(self, now: float) -> None:
-        """A request's first token came at ``now``: it has left the engine's queue."""
+    def departed(self, now: float) -> None:
+        """A request left the engine's queue by ``now``: its first token came, or it ended without one timed."""
         self._departures.append(now)
         self._prune(now)
 

@@ -111,6 +111,7 @@ class Reservation:
         self._cut = False
         self._generated = 0
         self._observed = False
+        self._timed = False  # its first token was timed (a stream's): it told admission when it left the engine's queue
         # (time, generated) pairs spaced a fraction of the scrape interval apart: what the engine surely
         # held at a past instant, to compare with a snapshot taken then.
         self._checkpoints: deque[tuple[float, int]] = deque(maxlen=CHECKPOINTS)
@@ -190,6 +191,11 @@ class Reservation:
         return self._waited or self._engine_queued
 
     @property
+    def timed_first_token(self) -> bool:
+        """Whether its first token was timed (``Admitter.first_token``), as a stream's is; a whole answer's is not."""
+        return self._timed
+
+    @property
     def completed_output(self) -> int | None:
         """Output tokens per sequence of a request that ran to its end; None when it was cut or not seen."""
         if not self._observed or self._cut:
@@ -234,6 +240,7 @@ class Reservation:
             # A stream's first token (a whole answer reports all its tokens at once, and is no sample): the engine's
             # time counts from the request's write, not from its admission (``sent``).
             start = self._sent_at if self._sent_at is not None else self._admitted_at
+            self._timed = True
             self._admitter.first_token(self, now - start)
         self._generated = generated
         self._observed = True

@@ -19,7 +19,7 @@ def run(waiting: list[int], departures_per_s: float, seconds: float = WINDOW_SEC
         for engine in range(engines):
             wait.snapshot(now, engine, waiting[i % len(waiting)])
         while gap is not None and next_departure <= now:
-            wait.first_token(next_departure)
+            wait.departed(next_departure)
             next_departure += gap
     return wait.seconds(steps * interval)
 
@@ -42,7 +42,7 @@ def test_only_the_last_window_counts() -> None:
     wait = EngineQueueWait()
     for i in range(41):  # 10 s of snapshots: 20 waiting in the first five, none after
         wait.snapshot(i * 0.25, 0, 20 if i < 20 else 0)
-        wait.first_token(i * 0.25)
+        wait.departed(i * 0.25)
     assert wait.seconds(10.0) == pytest.approx(0.0)
 
 
@@ -51,7 +51,7 @@ def test_a_count_holds_until_the_next_snapshot() -> None:
     wait = EngineQueueWait()
     wait.snapshot(0.0, 0, 6)
     for i in range(MIN_DEPARTURES + 2):
-        wait.first_token(i * 0.5)
+        wait.departed(i * 0.5)
     assert wait.seconds(5.0) == pytest.approx(6 / 2.0, rel=0.1)
 
 
@@ -66,5 +66,5 @@ def test_the_wait_ahead_is_those_waiting_now_over_the_rate_they_leave(waiting: i
         now = i * 0.25
         wait.snapshot(now, 0, waiting)
         if i % round(1 / (rate * 0.25)) == 0:
-            wait.first_token(now)
+            wait.departed(now)
     assert wait.ahead(5.0) == pytest.approx(ahead, rel=0.15)

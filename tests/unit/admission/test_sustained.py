@@ -286,33 +286,53 @@ async def test_the_unhurried_time_counts_only_requests_that_waited_in_no_queue_t
     rig.assert_drained()
 
 
-@pytest.mark.parametrize(("sustained", "feedback", "waiting", "told"), [
-    pytest.param(True, False, 10, True, id="sustained, 2.5 s a request in the engine's queue: the operator is told"),
-    pytest.param(True, False, 2, False, id="half a second there, within the wait of a second: nothing to tell"),
-    pytest.param(True, False, 0, False, id="nothing waits in the engine (its cache binds first): nothing to tell"),
-    pytest.param(False, False, 10, True, id="not sustained yet: the engine's queue past the wait makes it so"),
-    pytest.param(True, True, 10, False, id="--sustained-feedback on bounds that wait already"),
+@pytest.mark.parametrize(("sustained", "waiting", "now_sustained", "told"), [
+    pytest.param(False, 10, True, True, id="2.5 s a request in the engine's queue: sustained, and the operator told"),
+    pytest.param(True, 10, True, True, id="already sustained in the gateway's queue: told all the same"),
+    pytest.param(False, 2, False, False, id="half a second there, within the wait of a second: not an overload"),
+    pytest.param(False, 0, False, False, id="nothing waits in the engine (its cache binds first): nothing changes"),
 ])
-def test_an_overload_whose_engine_queues_requests_past_the_wait_is_told_once_and_changes_nothing(
-    sustained: bool, feedback: bool, waiting: int, told: bool, caplog: pytest.LogCaptureFixture
+def test_an_overload_is_seen_in_the_engines_own_queue_once_its_mean_wait_passes_the_wait(
+    sustained: bool, waiting: int, now_sustained: bool, told: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # With 1,024 blocks the engine's prefill binds before its cache: requests admitted on KV room waited 2.1-2.7 s in
-    # vLLM's own queue, past the second the gateway lets them wait in its own.
+    # With 1,024 blocks the engine's prefill binds before its cache: KV room admitted every arrival into vLLM's own
+    # queue, the gateway's stayed empty, and the overload went unseen for ten seconds while first tokens climbed.
     now = [0.0]
-    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: now[0], feedback=feedback)
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: now[0])
     for _ in range(MIN_SAMPLES):
         deadlines.first_tokens.add(0.1)  # unhurried: the wait is the floor of a second
     deadlines.sustained.sustained = sustained
-    objective = deadlines.objective_now()
+    deadlines.queue(False, 0.0)  # the gateway's own queue empty throughout
     with caplog.at_level(logging.WARNING, logger="gateway.admission.deadlines"):
         for step in range(41):  # ten seconds of snapshots, four first tokens a second
             now[0] = step * 0.25
             deadlines.first_token(1.5, waited=0.0, queued=True, limit=None)
-            deadlines.steer(in_flight=8, queued=True, engine_waiting=waiting)
+            deadlines.steer(in_flight=8, queued=False, engine_waiting=waiting)
     warnings = [r.getMessage() for r in caplog.records if "engine's own queue" in r.getMessage()]
     assert len(warnings) == (1 if told else 0)  # once an overload, not on every snapshot
     assert deadlines.status()["engine_queue_wait_s"] == pytest.approx(waiting / 4.0, rel=0.1)
-    assert deadlines.objective_now() == objective  # what admission does is unchanged
+    assert deadlines.sustained.applies(now[0]) is now_sustained
+
+
+@pytest.mark.parametrize(("ahead_waiting", "calm"), [
+    pytest.param(0, True, id="vLLM's queue empty too: a second of an empty gateway queue ends it"),
+    pytest.param(1, True, id="a quarter of the wait ahead there: ends it as well"),
+    pytest.param(3, False, id="three quarters of the wait ahead there: vLLM's queue holds the overload, not calm"),
+])
+def test_a_sustained_overload_is_not_calm_while_the_engines_queue_holds_half_the_wait(
+    ahead_waiting: int, calm: bool
+) -> None:
+    now = [0.0]
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: now[0])
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_tokens.add(0.1)
+    deadlines.sustained.sustained = True
+    for step in range(41):  # ten seconds, 4 leaving vLLM's queue a second, ``ahead_waiting`` waiting in it
+        now[0] = step * 0.25
+        deadlines.queue(step < 8, now[0])  # the gateway's own queue empty after the first two seconds
+        deadlines.first_token(0.5, waited=0.0, queued=True, limit=None)
+        deadlines.steer(in_flight=8, queued=False, engine_waiting=ahead_waiting)
+    assert deadlines.sustained.applies(now[0]) is not calm
 
 
 @pytest.mark.parametrize(("waiting", "seconds"), [
@@ -338,3 +358,21 @@ def test_under_a_sustained_overload_the_wait_ahead_in_the_engines_queue_comes_of
 
     limit = deadlines.limit(Arriving(), in_flight=8)
     assert limit.derived and limit.seconds == pytest.approx(seconds, abs=0.1)
+
+
+@pytest.mark.parametrize("answer", [
+    pytest.param([1, 5, 9], id="a stream: counted as its first token comes, not again as it ends"),
+    pytest.param([], id="nothing generated (cut before its first token): counted as it ends"),
+    pytest.param([40], id="a whole answer's usage at once, no first token timed: counted as it ends"),
+])
+async def test_every_admitted_request_leaves_the_engines_queue_once(answer: list[int]) -> None:
+    # Little's law needs the rate requests leave vLLM's queue; counting streams only would overstate the wait there
+    # for traffic that is partly whole answers.
+    rig = Rig(engine=True, admission_policy="strict")
+    await rig.scrape(0.0, running=2)
+    async with rig.req(1) as r:
+        r.sent()
+        for generated in answer:
+            r.observe_output_tokens(generated)
+    assert len(rig.adm._deadlines.engine_queue._departures) == 1
+    rig.assert_drained()
