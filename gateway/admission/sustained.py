@@ -55,7 +55,7 @@ docs/realistic.md). So the mean wait in the engines' queues over the last second
 their snapshots' waiting counts) past the wait makes the overload sustained too, a wait ahead there of half the wait
 keeps it from calm (``engine_backlog``), and while it is sustained the wait ahead in vLLM's queue comes off the wait an
 arriving request may have in the gateway's (``Deadlines._limit``): one whose whole wait vLLM's queue takes is refused
-at once. There the admitted then had 98-100% of their first tokens within 5 s (74-91% before) at 1.11-1.35x the
+at once. There the admitted then had 98-100% of their first tokens within 5 s (68-95% before) at 1.09-1.43x the
 goodput; where the cache binds first vLLM's queue holds a request hundredths of a second and nothing changes.
 
 The floor keeps the queue deep enough to feed an engine whose first tokens come fast (a GPU's take tens of
