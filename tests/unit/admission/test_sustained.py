@@ -286,6 +286,27 @@ async def test_the_unhurried_time_counts_only_requests_that_waited_in_no_queue_t
     rig.assert_drained()
 
 
+def unhurried_deadlines(sustained: bool) -> tuple[Deadlines, list[float]]:
+    """Deadlines under ``auto`` on a clock the test moves, the engine's unhurried time short (the wait: a second)."""
+    now = [0.0]
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: now[0])
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_tokens.add(0.1)
+    deadlines.sustained.sustained = sustained
+    return deadlines, now
+
+
+def follow_engine(deadlines: Deadlines, now: list[float], seconds: float, waiting: int, *, queued_for: float = 0.0,
+                  first_token: float = 1.5) -> None:
+    """``seconds`` of engine snapshots 0.25 s apart showing ``waiting`` in vLLM's queue, four first tokens a second;
+    the gateway's own queue holds requests for the first ``queued_for`` seconds, then none."""
+    for step in range(round(seconds / 0.25) + 1):
+        now[0] = step * 0.25
+        deadlines.queue(now[0] < queued_for, now[0])
+        deadlines.first_token(first_token, waited=0.0, queued=True, limit=None)
+        deadlines.steer(in_flight=8, queued=False, engine_waiting=waiting)
+
+
 @pytest.mark.parametrize(("sustained", "waiting", "now_sustained", "told"), [
     pytest.param(False, 10, True, True, id="2.5 s a request in the engine's queue: sustained, and the operator told"),
     pytest.param(True, 10, True, True, id="already sustained in the gateway's queue: told all the same"),
@@ -297,17 +318,9 @@ def test_an_overload_is_seen_in_the_engines_own_queue_once_its_mean_wait_passes_
 ) -> None:
     # With 1,024 blocks the engine's prefill binds before its cache: KV room admitted every arrival into vLLM's own
     # queue, the gateway's stayed empty, and the overload went unseen for ten seconds while first tokens climbed.
-    now = [0.0]
-    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: now[0])
-    for _ in range(MIN_SAMPLES):
-        deadlines.first_tokens.add(0.1)  # unhurried: the wait is the floor of a second
-    deadlines.sustained.sustained = sustained
-    deadlines.queue(False, 0.0)  # the gateway's own queue empty throughout
+    deadlines, now = unhurried_deadlines(sustained)
     with caplog.at_level(logging.WARNING, logger="gateway.admission.deadlines"):
-        for step in range(41):  # ten seconds of snapshots, four first tokens a second
-            now[0] = step * 0.25
-            deadlines.first_token(1.5, waited=0.0, queued=True, limit=None)
-            deadlines.steer(in_flight=8, queued=False, engine_waiting=waiting)
+        follow_engine(deadlines, now, 10.0, waiting)  # the gateway's own queue empty throughout
     warnings = [r.getMessage() for r in caplog.records if "engine's own queue" in r.getMessage()]
     assert len(warnings) == (1 if told else 0)  # once an overload, not on every snapshot
     assert deadlines.status()["engine_queue_wait_s"] == pytest.approx(waiting / 4.0, rel=0.1)
@@ -322,16 +335,8 @@ def test_an_overload_is_seen_in_the_engines_own_queue_once_its_mean_wait_passes_
 def test_a_sustained_overload_is_not_calm_while_the_engines_queue_holds_half_the_wait(
     ahead_waiting: int, calm: bool
 ) -> None:
-    now = [0.0]
-    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: now[0])
-    for _ in range(MIN_SAMPLES):
-        deadlines.first_tokens.add(0.1)
-    deadlines.sustained.sustained = True
-    for step in range(41):  # ten seconds, 4 leaving vLLM's queue a second, ``ahead_waiting`` waiting in it
-        now[0] = step * 0.25
-        deadlines.queue(step < 8, now[0])  # the gateway's own queue empty after the first two seconds
-        deadlines.first_token(0.5, waited=0.0, queued=True, limit=None)
-        deadlines.steer(in_flight=8, queued=False, engine_waiting=ahead_waiting)
+    deadlines, now = unhurried_deadlines(sustained=True)
+    follow_engine(deadlines, now, 10.0, ahead_waiting, queued_for=2.0, first_token=0.5)
     assert deadlines.sustained.applies(now[0]) is not calm
 
 
@@ -343,15 +348,8 @@ def test_a_sustained_overload_is_not_calm_while_the_engines_queue_holds_half_the
 def test_under_a_sustained_overload_the_wait_ahead_in_the_engines_queue_comes_off_the_derived_wait(
     waiting: int, seconds: float
 ) -> None:
-    now = [0.0]
-    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, "auto", lambda: now[0])
-    for _ in range(MIN_SAMPLES):
-        deadlines.first_tokens.add(0.1)  # unhurried: the wait is the floor of a second
-    deadlines.sustained.sustained = True
-    for step in range(21):  # five seconds of snapshots, four first tokens a second
-        now[0] = step * 0.25
-        deadlines.first_token(0.5, waited=0.0, queued=True, limit=None)
-        deadlines.steer(in_flight=8, queued=False, engine_waiting=waiting)
+    deadlines, now = unhurried_deadlines(sustained=True)
+    follow_engine(deadlines, now, 5.0, waiting, queued_for=6.0, first_token=0.5)
     class Arriving:
         deadline = None
         objective = None
