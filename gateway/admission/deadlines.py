@@ -178,7 +178,7 @@ class Deadlines:
         if derived and (wait := self.sustained.wait(self.unhurried())) < allowed:
             # The engine's own queue is the front of the gateway's: a request waits the derived wait in both
             # together, and one admitted into a queue in vLLM that is already that long is refused at once.
-            ahead = min(self.engine_queue.ahead(self._clock()), wait)
+            ahead = self.engine_queue.ahead(self._clock())  # past the wait: no time left, refused at arrival
             limit = WaitLimit(min(wait - ahead, self.queue_timeout), True, engine, derived=True, engine_queue=ahead)
             aims += [self.sustained.objective(self.unhurried())] if self.feedback else []
         elif allowed < self.queue_timeout:

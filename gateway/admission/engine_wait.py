@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 
 WINDOW_SECONDS = 5.0  # the trailing time the mean is taken over: 20 snapshots at the default scrape interval
-MIN_DEPARTURES = 8  # first tokens in the window below which the rate is too coarse to say anything
+MIN_DEPARTURES = 8  # departures in the window below which the rate is too coarse to say anything
 
 
 class EngineQueueWait:
@@ -28,7 +28,7 @@ class EngineQueueWait:
         self._window = window
         self._waiting: dict[int, int] = {}  # each engine's count at its last snapshot
         self._counts: deque[tuple[float, int]] = deque()  # (when, the engines' waiting summed then)
-        self._departures: deque[float] = deque()  # when each first token came
+        self._departures: deque[float] = deque()  # when each request left the queue (``departed``)
 
     def snapshot(self, now: float, engine: int, waiting: int) -> None:
         """An engine's snapshot at ``now`` showed ``waiting`` requests in its own queue."""

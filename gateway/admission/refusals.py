@@ -110,8 +110,9 @@ def deadline_now(limit: WaitLimit, retry_after: float) -> errors.DeadlineUnreach
     overload) whose wait the engine's own queue takes whole: refused as it arrives."""
     if limit.derived:
         return errors.DeadlineUnreachable(
-            f"Requests wait {limit.engine_queue:.1f} s in the engine's own queue now, as long as an arriving request "
-            f"may wait while the overload is sustained (--ttft-objective auto); retry later.",
+            f"Requests wait {limit.engine_queue:.1f} s in the engine's own queue now, and an arriving request may wait "
+            f"{limit.seconds + limit.engine_queue:.1f} s in all (the gateway's queue and the engine's) while the "
+            f"overload is sustained (--ttft-objective auto); retry later.",
             retry_after=retry_after,
         )
     return errors.DeadlineUnreachable(

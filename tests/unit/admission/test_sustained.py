@@ -12,8 +12,8 @@ import logging
 import pytest
 
 from gateway import errors
-from gateway.admission import Reservation
-from gateway.admission.deadlines import MIN_SAMPLES, Deadlines
+from gateway.admission import Reservation, refusals
+from gateway.admission.deadlines import MIN_SAMPLES, Deadlines, WaitLimit
 from gateway.admission.sustained import CALM_SECONDS, MIN_WAIT_SECONDS, SustainedOverload
 from gateway.config import Settings
 from tests.unit.admission.rig import Rig, enter, settle
@@ -343,7 +343,7 @@ def test_a_sustained_overload_is_not_calm_while_the_engines_queue_holds_half_the
 @pytest.mark.parametrize(("waiting", "seconds"), [
     pytest.param(0, 1.0, id="nothing waits in the engine: the whole wait in the gateway's queue"),
     pytest.param(2, 0.5, id="half a second ahead in the engine's queue: half a second left for the gateway's"),
-    pytest.param(8, 0.0, id="two seconds ahead there, past the wait: refused as it arrives"),
+    pytest.param(8, -1.0, id="two seconds ahead there, past the wait: no time left, refused as it arrives"),
 ])
 def test_under_a_sustained_overload_the_wait_ahead_in_the_engines_queue_comes_off_the_derived_wait(
     waiting: int, seconds: float
@@ -374,3 +374,13 @@ async def test_every_admitted_request_leaves_the_engines_queue_once(answer: list
             r.observe_output_tokens(generated)
     assert len(rig.adm._deadlines.engine_queue._departures) == 1
     rig.assert_drained()
+
+
+def test_an_arrival_refused_for_the_engines_queue_is_told_both_waits() -> None:
+    # The wait ahead in vLLM's queue (2 s) took the whole derived wait (1 s): the message states both.
+    limit = WaitLimit(-1.0, True, 0.5, derived=True, engine_queue=2.0)
+    error = refusals.deadline_now(limit, retry_after=1.0)
+    assert error.message == (
+        "Requests wait 2.0 s in the engine's own queue now, and an arriving request may wait 1.0 s in all (the "
+        "gateway's queue and the engine's) while the overload is sustained (--ttft-objective auto); retry later.")
+    assert error.retry_after == 1.0
