@@ -75,6 +75,15 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
             await _read_models_once(each)
         check_same_model(engines)
         for each in engines:
+            if each.models.cached is not None:
+                # One scrape before serving: until the engine's capacity is known every request fits (the
+                # policy cannot bound what it cannot count), so a flood in the first scrape went straight into
+                # the engine (31 preemptions of 40 requests, tests/integration/test_admission_flood.py). An
+                # engine whose metrics do not answer delays the start by FIRST_SCRAPE_WAIT at most.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(FIRST_SCRAPE_WAIT):
+                        await each.view.refresh()
+        for each in engines:
             # Proxy mode only: a managed engine's hang and health are the supervisor's, cured by a restart.
             await each.progress.start()
             stack.push_async_callback(each.progress.stop)
@@ -176,6 +185,10 @@ def manage(parts: Parts, stack: contextlib.AsyncExitStack) -> None:
     for i, (sup, engine) in enumerate(zip(sups, parts.engines, strict=True)):
         managing.spawn(_run_managed(sup, engine.models, first=None if i == 0 else parts.models))
     stack.push_async_callback(managing.close)
+
+
+# Seconds the start waits for an engine's first scrape (its metrics answer in milliseconds when it is up).
+FIRST_SCRAPE_WAIT = 2.0
 
 
 async def _read_models_once(engine: Engine[Models]) -> None:

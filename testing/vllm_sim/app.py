@@ -521,6 +521,8 @@ class _SimApp:
         return JSONResponse({"version": VLLM_VERSION})
 
     async def metrics(self, request: Request) -> Response:
+        if self.config.metrics_delay:
+            await asyncio.sleep(self.config.metrics_delay)
         if self.config.metrics_status is not None:
             return Response(status_code=self.config.metrics_status)
         return Response(self.sim.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8")

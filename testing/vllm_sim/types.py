@@ -56,6 +56,8 @@ class SimConfig:
     fault: Fault | None = None
     # What /metrics answers other than its page (500: an API server whose metrics fail); None: the page.
     metrics_status: int | None = None
+    # Seconds /metrics takes to answer (an API server busy serving): a scrape that is not over at once.
+    metrics_delay: float = 0.0
     fault_delay: float = 1.0
     fault_after_chunks: int = 2
     # vLLM refuses tool_choice "auto" unless started with --enable-auto-tool-choice --tool-call-parser.

@@ -185,6 +185,20 @@ async def test_the_same_flood_through_strict_makes_zero_preemptions(
     gw.wait_ledger_empty()
 
 
+async def test_a_flood_at_start_meets_the_engine_budget_though_the_first_scrape_answers_late(
+    make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
+) -> None:
+    """The gateway serves once it has read the engine's capacity: a flood in its first moments is booked against
+    it, not let through because no scrape has ended yet."""
+    sim = make_sim(stop_early=lambda index, max_tokens: max_tokens, metrics_delay=0.5)
+    gw = make_gateway(sim, admission_policy="strict", max_queue=FLOOD)
+    responses = await flood(gw.url, FLOOD, flood_body())
+    assert all(r.status_code == 200 for r in responses)
+    assert sim.sim.preemptions_total == 0
+    assert sim.sim.peak_used_blocks <= STRICT_BUDGET
+    gw.wait_ledger_empty()
+
+
 async def test_a_cold_flood_running_to_max_tokens_preempts_far_less_through_the_default_policy(
     make_sim: Callable[..., SimServer], make_gateway: Callable[..., GatewayServer]
 ) -> None:

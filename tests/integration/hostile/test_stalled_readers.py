@@ -103,6 +103,14 @@ def dechunked(data: bytes) -> bytes:
     return body
 
 
+def engine_has(sim: SimServer, count: int, within: float) -> None:
+    """Wait until the engine has received ``count`` requests in all."""
+    deadline = time.monotonic() + within
+    while sim.sim.request_count < count:
+        assert time.monotonic() < deadline, f"the engine received {sim.sim.request_count} requests, not {count}"
+        time.sleep(0.01)
+
+
 def ledger_at_zero(gw: GatewayServer, within: float) -> None:
     deadline = time.monotonic() + within
     while not gw.ledger_is_empty():
@@ -125,8 +133,12 @@ def test_a_reader_that_stops_reading_gives_the_engines_blocks_back(
         request_timeout=60.0, max_buffered_bytes=case.max_buffered_bytes, write_timeout=case.write_timeout,
     )
     with run_gateway(settings) as gw:
+        seen = big_sim.sim.request_count
         sock = stalled_client(gw.url, case.stream)
         try:
+            # The ledger is at zero before the stalled request is admitted too: only once the engine has it does
+            # zero mean its blocks came back (else the ordinary request goes first, and the client reads it all).
+            engine_has(big_sim, seen + 1, within=30.0)
             ledger_at_zero(gw, within=30.0)
             assert big_sim.sim.running == 0  # the engine ended (or cancelled) the stalled request
             admitted_meanwhile(gw)
