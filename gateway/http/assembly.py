@@ -75,14 +75,7 @@ async def build_parts(settings: Settings, stack: contextlib.AsyncExitStack) -> P
             await _read_models_once(each)
         check_same_model(engines)
         for each in engines:
-            if each.models.cached is not None:
-                # One scrape before serving: until the engine's capacity is known every request fits (the
-                # policy cannot bound what it cannot count), so a flood in the first scrape went straight into
-                # the engine (31 preemptions of 40 requests, tests/integration/test_admission_flood.py). An
-                # engine whose metrics do not answer delays the start by FIRST_SCRAPE_WAIT at most.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(FIRST_SCRAPE_WAIT):
-                        await each.view.refresh()
+            await _scrape_once(each)
         for each in engines:
             # Proxy mode only: a managed engine's hang and health are the supervisor's, cured by a restart.
             await each.progress.start()
@@ -189,6 +182,18 @@ def manage(parts: Parts, stack: contextlib.AsyncExitStack) -> None:
 
 # Seconds the start waits for an engine's first scrape (its metrics answer in milliseconds when it is up).
 FIRST_SCRAPE_WAIT = 2.0
+
+
+async def _scrape_once(engine: Engine[Models]) -> None:
+    """One scrape of an engine that answered at start, before serving: until the engine's capacity is known every
+    request fits (the policy cannot bound what it cannot count), so a flood in the first scrape went straight into
+    the engine (31 preemptions of 40 requests, tests/integration/test_admission_flood.py). An engine whose metrics
+    do not answer delays the start by FIRST_SCRAPE_WAIT at most."""
+    if engine.models.cached is None:
+        return
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(FIRST_SCRAPE_WAIT):
+            await engine.view.refresh()
 
 
 async def _read_models_once(engine: Engine[Models]) -> None:
