@@ -10,7 +10,8 @@ The mean wait there is the mean number waiting over the mean rate at which reque
 and both are at hand without a new metric: the number waiting is every engine snapshot's, and each request leaves
 vLLM's queue once and then streams its first token (a whole answer, which tells no first token, counts as it ends:
 late, but the rate over the window holds in a steady overload). A count held between snapshots stands for their
-interval.
+interval. The count is the gateway's own (``Deadlines.steer`` gives at most its requests in flight without a first
+token): a queue of requests that reached the engine around the gateway is not its requests' wait.
 """
 
 from __future__ import annotations

@@ -297,14 +297,16 @@ def unhurried_deadlines(sustained: bool) -> tuple[Deadlines, list[float]]:
 
 
 def follow_engine(deadlines: Deadlines, now: list[float], seconds: float, waiting: int, *, queued_for: float = 0.0,
-                  first_token: float = 1.5) -> None:
-    """``seconds`` of engine snapshots 0.25 s apart showing ``waiting`` in vLLM's queue, four first tokens a second;
-    the gateway's own queue holds requests for the first ``queued_for`` seconds, then none."""
+                  first_token: float = 1.5, in_flight: int = 16) -> None:
+    """``seconds`` of engine snapshots 0.25 s apart showing ``waiting`` in vLLM's queue, four first tokens a second
+    (each stream ending soon after); the gateway's own queue holds requests for the first ``queued_for`` seconds,
+    then none."""
     for step in range(round(seconds / 0.25) + 1):
         now[0] = step * 0.25
         deadlines.queue(now[0] < queued_for, now[0])
         deadlines.first_token(first_token, waited=0.0, queued=True, limit=None)
-        deadlines.steer(in_flight=8, queued=False, engine_waiting=waiting)
+        deadlines.left_engine(timed=True)
+        deadlines.steer(in_flight=in_flight, queued=False, engine_waiting=waiting)
 
 
 @pytest.mark.parametrize(("sustained", "waiting", "now_sustained", "told"), [
@@ -324,6 +326,23 @@ def test_an_overload_is_seen_in_the_engines_own_queue_once_its_mean_wait_passes_
     warnings = [r.getMessage() for r in caplog.records if "engine's own queue" in r.getMessage()]
     assert len(warnings) == (1 if told else 0)  # once an overload, not on every snapshot
     assert deadlines.status()["engine_queue_wait_s"] == pytest.approx(waiting / 4.0, rel=0.1)
+    assert deadlines.sustained.applies(now[0]) is now_sustained
+
+
+@pytest.mark.parametrize(("streaming", "wait", "now_sustained"), [
+    pytest.param(0, 4.0, True, id="our 16 in flight all wait for a first token: 16 of the 40 are ours, 4 s"),
+    pytest.param(14, 0.5, False, id="14 of our 16 stream: 2 of the 40 at most are ours, half a second"),
+])
+def test_a_queue_in_the_engine_of_requests_not_ours_is_not_read_as_our_wait(
+    streaming: int, wait: float, now_sustained: bool
+) -> None:
+    # vLLM's queue held requests of clients that had sent them around the gateway (or left them behind): counted
+    # over our departures, Little's law read 8.6 s where ours waited 0.01 s, and the overload was seen where none was.
+    deadlines, now = unhurried_deadlines(sustained=False)
+    for _ in range(streaming):
+        deadlines.first_token(0.5, waited=0.0, queued=False, limit=None)
+    follow_engine(deadlines, now, 10.0, 40, in_flight=16)
+    assert deadlines.status()["engine_queue_wait_s"] == pytest.approx(wait, rel=0.1)
     assert deadlines.sustained.applies(now[0]) is now_sustained
 
 
