@@ -21,6 +21,7 @@ MODULES = {
     "stages": "bench.benchmarks.stages",
     "profile": "bench.benchmarks.native_profile",
     "scaling": "bench.benchmarks.scaling",
+    "authority": "bench.benchmarks.authority",
     "soak": "bench.benchmarks.soak",
     "slow-readers": "bench.benchmarks.slow_readers",
     "counting": "bench.benchmarks.counting",

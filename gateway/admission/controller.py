@@ -6,9 +6,8 @@ A request's *need* is the most KV blocks admitting it adds: its sequences' own b
 
 Whether one more request fits is the policy's (``policy``: ``strict`` books every request at its full size, so the
 engine never runs short of blocks for the gateway's requests; ``adaptive`` also admits on the projection of the live
-usage). The queue is re-examined on every release, snapshot and resume. With several engines (``placement``: servers,
-data-parallel ranks) each has its own budget, books, policy; the queue is one: a request waits only while no engine can
-take it, and goes to the first that can.
+usage). The queue is re-examined on every release, snapshot and resume. With several engines (``placement``) each has
+its own budget, books, policy; the queue is one: a request waits while no engine can take it, then goes to the first.
 """
 
 from __future__ import annotations
@@ -116,9 +115,8 @@ class Admission:
         return self._sites.budget_total() if self._sites.capacities() else None
 
     def fit(self, prompt_tokens: int, max_tokens: int, n: int, *, clamp: bool, prefix_known: bool = False) -> int:
-        """``max_tokens`` if the request fits the whole budget; with ``clamp``, lowered until it does.
-        Raises ``KVBudgetExceeded`` when it cannot fit. ``prefix_known``: its prompt's token ids are known, so
-        with prefix sharing its ``n`` sequences hold their shareable prompt blocks once."""
+        """``max_tokens`` if the request fits the whole budget; with ``clamp``, lowered until it does, else raises
+        ``KVBudgetExceeded``. ``prefix_known``: ids known, with prefix sharing its sequences hold its prompt once."""
         cap = self.largest_capacity()
         shared = self._sharing and prefix_known
         return max_tokens if cap is None else fit_output(prompt_tokens, max_tokens, n, cap, self._settings.kv_target,
@@ -134,10 +132,10 @@ class Admission:
         weight: float = 1.0, prefix: PromptPrefix | None = None, avoid: frozenset[str] = frozenset(), family: str = "",
         deadline: float | None = None, min_output: int = 0, objective: float | None = None,
     ) -> Reservation:
-        """``avoid``: engines (by name) it must not go to while another can take it; ``family``: its served model
-        and route (whose answers' lengths it is booked from); ``deadline``: seconds it may wait at most, when the
-        client says fewer than ``--queue-timeout``; ``min_output``: output tokens per sequence it surely
-        generates; ``objective``: its own TTFT objective in seconds, judged at arrival as ``--ttft-objective``."""
+        """``avoid``: engines (names) not to go to while another can take it; ``family``: its served model and route
+        (whose answers' lengths book it); ``deadline``: seconds it may wait at most (the client's, under
+        ``--queue-timeout``); ``min_output``: output tokens per sequence it surely generates; ``objective``: its
+        own TTFT objective, s, judged at arrival as ``--ttft-objective``."""
         self._capacity()  # settles the block size the need is counted in
         return Reservation(
             self, prompt_tokens=prompt_tokens, max_tokens=max_tokens, n=n, priority=priority,
@@ -166,15 +164,14 @@ class Admission:
         self._pump()
 
     async def wait_idle(self, timeout: float) -> bool:
-        if not self._in_flight:
-            return True
-        idle, timer = asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._sleep(timeout))
-        try:
-            await asyncio.wait({idle, timer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (idle, timer):
-                task.cancel()
-            await asyncio.gather(idle, timer, return_exceptions=True)
+        if self._in_flight:
+            idle, timer = asyncio.ensure_future(self._idle.wait()), asyncio.ensure_future(self._sleep(timeout))
+            try:
+                await asyncio.wait({idle, timer}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (idle, timer):
+                    task.cancel()
+                await asyncio.gather(idle, timer, return_exceptions=True)
         return not self._in_flight
 
     async def close(self) -> None:
@@ -193,10 +190,8 @@ class Admission:
         ))
 
     def publish(self) -> None:
-        """Set every KV and queue gauge, and the engine's freshness, as of now: on each engine snapshot, on pause
-        and when ``/metrics`` is read (capacity, live usage and the adaptive limit move with the snapshots, the
-        freshness with the clock). The committed blocks and the queue depth are also set as they change
-        (``publish_load``), without the projection, whose cost grows with the requests in flight."""
+        """Every KV and queue gauge and the engine's freshness, as of now: on each snapshot, on pause and when
+        ``/metrics`` is read. Committed blocks and queue depth are also set as they change (``publish_load``)."""
         self._gauges.publish_kv(self._sites)
         self._gauges.publish_load(self._sites, self._queue.depth)
         self._sites.engine_kv.publish_freshness()
@@ -205,9 +200,21 @@ class Admission:
     # -- the reservation's side (``Admitter``) ------------------------------------------------------
     async def enter(self, r: Reservation) -> None:
         """Admit ``r`` now, or queue it and return once it is admitted (``Reservation.__aenter__``)."""
+        await r.prepare(self._block_size, self._sharing)  # a long prompt's block keys, hashed off the loop
+        if self.arrive(r):
+            return
+        try:
+            await r.wait()
+        except asyncio.CancelledError:
+            # Still queued: withdrawn. Admitted as the waiter was cancelled: the unused blocks go back at once.
+            self.leave(r)
+            raise
+
+    def arrive(self, r: Reservation) -> bool:
+        """``enter`` without its waits (``r.prepare`` is the caller's): True once ``r`` is admitted, False while it
+        is queued (``r.wait()``); raises what refused it. For a holder without a task (the workers' authority)."""
         if r.phase is not Phase.NEW:
             raise RuntimeError(f"reservation {r.request_id} was already entered or released")
-        await r.prepare(self._block_size, self._sharing)  # a long prompt's block keys, hashed off the loop
         self._capacity()
         r.recount(self._block_size, self._sharing)
         largest = self._sites.largest()
@@ -221,8 +228,7 @@ class Admission:
             raise refusals.deadline_now(limit, self._drain.retry_after(len(self._queue), now))
         r.enqueue()
         self._headroom.arrive(r)
-        # The least-work order (``order``) places a request among others waiting; one arriving at an empty queue
-        # is shifted only if it waits (most are admitted at once, and the shift was a third of this).
+        # Least-work order (``order``) among others waiting; at an empty queue shifted only if it waits (a third).
         adaptive = self._settings.admission_policy == "adaptive"  # strict keeps arrival order
         alone = not self._queue
         shift = order.queue_shift(r, self._sites, self._block_size, limit.seconds) if adaptive and not alone else 0.0
@@ -230,19 +236,14 @@ class Admission:
         self._queue.push(r, now, now + limit.queued.seconds, shift)
         self._pump(arriving=r, due=r.due)  # judged by ``limit``; once queued, by ``limit.queued``
         if r.admitted:
-            return
+            return True
         r.wait_limit = limit.queued
         if adaptive and alone:  # still queued (a no-op if the forecast refused it)
             self._queue.reshift(r, order.queue_shift(r, self._sites, self._block_size, limit.seconds))
         if len(self._queue) > self._settings.max_queue:
             raise self._shed(r)
         self._timer.ensure()
-        try:
-            await r.wait()
-        except asyncio.CancelledError:
-            # Still queued: withdrawn. Admitted as the waiter was cancelled: the unused blocks go back at once.
-            self.leave(r)
-            raise
+        return False
 
     def first_token(self, r: Reservation, seconds: float) -> None:
         self._deadlines.first_token(seconds, waited=r.queue_ms / 1000.0, queued=r.queued_anywhere, limit=r.wait_limit)
@@ -279,9 +280,8 @@ class Admission:
         self._expire(arriving)
         self._capacity()  # first: a rebase moves every need
         if arriving is None or self._moved:
-            # Only an arrival's pass keeps the projection of the pass before it: an arrival moves nothing it reads
-            # (releases, snapshots, resumes, rebases have passes of their own); at twice capacity the projections
-            # of arrivals' passes took a tenth of the loop. It misses the progress since, until the next pass.
+            # An arrival's pass keeps the pass before's projection: it moves nothing that reads (releases, snapshots,
+            # resumes, rebases pass themselves); at 2x capacity arrivals' projections took a tenth of the loop.
             for site in self._sites:
                 site.policy.begin_pass()
             self._moved = False

@@ -248,10 +248,14 @@ class Reservation:
             self._checkpoints.append((now, generated))
 
     # -- the controller's side ----------------------------------------------------------------------
+    def hashes_off_loop(self, sharing: bool) -> bool:
+        """Whether ``prepare`` hashes its block keys off the loop (without it ``Admitter.arrive`` would, on it)."""
+        return sharing and self.prefix is not None and len(self.prefix.ids) >= OFF_LOOP_TOKENS
+
     async def prepare(self, block_size: int, sharing: bool) -> None:
         """Hash a long prompt's block keys in a worker thread: ~5 ms for 32K tokens in blocks of 16, measured,
         which would otherwise hold the event loop at admission."""
-        if sharing and self.prefix is not None and len(self.prefix.ids) >= OFF_LOOP_TOKENS:
+        if self.prefix is not None and self.hashes_off_loop(sharing):
             keys = await asyncio.get_running_loop().run_in_executor(None, block_keys, self.prefix, block_size)
             self._hashed = (block_size, keys)
 

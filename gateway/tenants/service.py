@@ -104,19 +104,30 @@ class Tenants:
     async def check(self, tenant_name: str, *, prompt_tokens: int, output_tokens: int) -> Grant:
         """Charge one request to its tenant's windows: ``prompt_tokens`` as counted, ``output_tokens`` the
         ``max_tokens`` booked for all its sequences. A refused grant raises on ``raise_if_refused``."""
-        tenant = self.tenant(tenant_name)
+        tenant, windows = self.tenant(tenant_name), self.windows
+        if tenant.limits.windowed and isinstance(windows, SharedWindows):
+            standing, ticket = await windows.take(self._ask(tenant, prompt_tokens + output_tokens))
+            return Grant(self, tenant, prompt_tokens, output_tokens, standing, ticket)
+        return self._check_here(tenant, windows, prompt_tokens, output_tokens)
+
+    def check_now(self, tenant_name: str, *, prompt_tokens: int, output_tokens: int) -> Grant | None:
+        """``check`` where it needs no round trip to Redis (a tenant without per-minute limits, or windows kept
+        here); None where it does."""
+        tenant, windows = self.tenant(tenant_name), self.windows
+        if tenant.limits.windowed and isinstance(windows, SharedWindows):
+            return None
+        return self._check_here(tenant, windows, prompt_tokens, output_tokens)
+
+    def _check_here(self, tenant: Tenant, windows: LocalWindows | SharedWindows, prompt_tokens: int,
+                    output_tokens: int) -> Grant:
         standing: Standing | None = None
         ticket: Ticket | None = None
-        if tenant.limits.windowed:
-            slot = f"{self._slot_prefix}-{next(self._slots)}"
-            ask = Ask(tenant.name, tenant.limits, prompt_tokens + output_tokens, slot, self._clock())
-            standing, ticket = await self._take(ask)
+        if tenant.limits.windowed and isinstance(windows, LocalWindows):
+            standing, ticket = windows.take(self._ask(tenant, prompt_tokens + output_tokens))
         return Grant(self, tenant, prompt_tokens, output_tokens, standing, ticket)
 
-    async def _take(self, ask: Ask) -> tuple[Standing, Ticket | None]:
-        if isinstance(self.windows, SharedWindows):
-            return await self.windows.take(ask)
-        return self.windows.take(ask)
+    def _ask(self, tenant: Tenant, tokens: int) -> Ask:
+        return Ask(tenant.name, tenant.limits, tokens, f"{self._slot_prefix}-{next(self._slots)}", self._clock())
 
     def settle(self, ticket: Ticket, used_tokens: int) -> None:
         """Synchronous: it runs where a request ends, in tasks that may be cancelled (a client gone). Redis
@@ -188,11 +199,21 @@ class Grant:
         of a tenant with a share; None: capacity unknown, no share applies); yields the milliseconds waited."""
         return self._admit(booked, budget)
 
+    def plain(self, budget_of: Callable[[], int | None]) -> bool:
+        """Whether ``admit`` is the reservation's own admission alone (no KV share to hold): a holder without a
+        task (the workers' authority) may then enter the reservation itself, and tell the grant (``entered``)."""
+        share = self.tenant.limits.kv_share
+        return self._tenants is None or share is None or budget_of() is None
+
+    def entered(self, booked: Booked) -> None:
+        """``booked`` was admitted plainly (``plain``) by its holder: what ``settle`` charges."""
+        self._booked = booked
+
     @contextlib.asynccontextmanager
     async def _admit(self, booked: Booked, budget_of: Callable[[], int | None]) -> AsyncIterator[float]:
         share = self.tenant.limits.kv_share
         budget = budget_of() if self._tenants is not None and share is not None else None
-        if self._tenants is None or share is None or budget is None:
+        if self._tenants is None or share is None or budget is None:  # ``plain``
             async with booked:
                 self._booked = booked
                 yield booked.queue_ms
