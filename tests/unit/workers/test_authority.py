@@ -5,12 +5,10 @@ streams out of the engine's view."""
 from __future__ import annotations
 
 import asyncio
-import struct
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import orjson
 import pytest
 
 from gateway.engine.progress import ProgressDetector
@@ -27,9 +25,8 @@ from gateway.workers.messages import (
     Progress,
     Release,
     Withdraw,
-    encode,
 )
-from tests.unit.workers.transport import Transport
+from tests.unit.workers.transport import Counts, Transport, frames
 
 
 class Booked:
@@ -72,14 +69,6 @@ class Tenants:
         return Grant.unlimited()
 
 
-class Counts:
-    def seen(self, worker: object, families: Any) -> None:
-        pass
-
-    def lost(self, worker: object) -> None:
-        pass
-
-
 @pytest.fixture
 async def world() -> SimpleNamespace:
     booked: list[Booked] = []
@@ -110,9 +99,7 @@ def booking(rid: str, deadline: float | None = None, objective: float | None = N
 
 
 def receive(world: SimpleNamespace, *messages: Message) -> None:
-    body = b"".join(struct.pack(">I", len(b := orjson.dumps(encode(m), option=orjson.OPT_NON_STR_KEYS))) + b
-                    for m in messages)
-    world.link.channel.data_received(body)
+    world.link.channel.data_received(frames(*messages))
 
 
 async def turns(n: int = 5) -> None:

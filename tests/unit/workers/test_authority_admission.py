@@ -5,13 +5,11 @@ that must queue, or whose tenant has a per-minute window, still waits, is charge
 from __future__ import annotations
 
 import asyncio
-import struct
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import orjson
 import pytest
 
 from gateway.engine.progress import ProgressDetector
@@ -28,10 +26,9 @@ from gateway.workers.messages import (
     Refused,
     Release,
     Withdraw,
-    encode,
 )
 from tests.unit.admission.rig import Rig
-from tests.unit.workers.transport import Transport
+from tests.unit.workers.transport import Counts, Transport, frames
 
 KEYS = """\
 tenants:
@@ -39,14 +36,6 @@ tenants:
     limits: {requests_per_minute: 2}
     keys: [sk-search-0f3c9a]
 """
-
-
-class Counts:
-    def seen(self, worker: object, families: Any) -> None:
-        pass
-
-    def lost(self, worker: object) -> None:
-        pass
 
 
 @pytest.fixture
@@ -71,9 +60,7 @@ def booking(rid: str, max_tokens: int = 32, tenant: str = "default") -> Booking:
 
 
 def receive(world: SimpleNamespace, *messages: Message) -> None:
-    body = b"".join(struct.pack(">I", len(b := orjson.dumps(encode(m), option=orjson.OPT_NON_STR_KEYS))) + b
-                    for m in messages)
-    world.link.channel.data_received(body)
+    world.link.channel.data_received(frames(*messages))
 
 
 async def sent(world: SimpleNamespace) -> list[Any]:

@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import orjson
 
-from gateway.workers.messages import Message, decode
+from gateway.workers.messages import Message, decode, encode
+
+
+def frames(*messages: Message) -> bytes:
+    """``messages`` as a peer writes them on the channel."""
+    return b"".join(struct.pack(">I", len(b := orjson.dumps(encode(m), option=orjson.OPT_NON_STR_KEYS))) + b
+                    for m in messages)
+
+
+class Counts:
+    """The authority's record of its workers' metrics, not kept (``metrics_merge.WorkerCounts``)."""
+
+    def seen(self, worker: object, families: Any) -> None:
+        pass
+
+    def lost(self, worker: object) -> None:
+        pass
 
 
 class Transport:
