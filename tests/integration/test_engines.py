@@ -179,8 +179,11 @@ async def test_a_request_its_engine_fails_before_answering_is_served_by_the_othe
         assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
         assert engines_of(answers) == {"0": 4}
         text = (await get(p.gw, "/metrics")).text
-        assert counter(text, "vllm_guard_failovers_total") >= 1
-        assert scrape(text)["vllm_guard_engine_admitted_requests"]["1"] >= 1  # placed there, then moved
+        if fault is not Fault.ENGINE_DEAD:  # a dead engine's /health says so: a probe may see it before any request
+            assert counter(text, "vllm_guard_failovers_total") >= 1
+            assert scrape(text)["vllm_guard_engine_admitted_requests"]["1"] >= 1  # placed there, then moved
+        elif counter(text, "vllm_guard_failovers_total") == 0:  # the probe saw it first: nothing was placed there
+            assert scrape(text)["vllm_guard_engine_admitted_requests"].get("1", 0) == 0
         p.gw.wait_ledger_empty()
 
 
