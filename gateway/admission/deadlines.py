@@ -197,6 +197,13 @@ class Deadlines:
         held = self.feedback and self.sustained.applies(self._clock())
         return self.sustained.objective(self.unhurried()) if held else None
 
+    def backlog_bound(self) -> float | None:
+        """While an overload is sustained (``auto``), the time to a first token past which a queued request that arrived
+        into a backlog is refused on an arrival's pass (``SustainedOverload.late_bound``); None otherwise."""
+        if self.objective is not None or not self.sustained.applies(self._clock()):
+            return None
+        return self.sustained.late_bound(self.unhurried())
+
     @staticmethod
     def late(limit: WaitLimit | None, waited: float, engine: float) -> bool:
         """Whether a request queued ``waited`` seconds ago under ``limit`` is known to miss the objective that judged

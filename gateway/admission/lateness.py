@@ -6,7 +6,11 @@ request as it arrives against a forecast of its wait. Forecasts err when the eng
 served past its objective is one the objective did not hold for. So the queue is also judged on what is *known*: a
 queued request whose wait so far and the engine's time to a first token now (``Deadlines.late``) pass its objective
 is refused on the next pass over the queue rather than served late; the refusal comes within the objective, while a
-retry can still help. A request the llm-d router's objective alone judged waits on, as that header promises.
+retry can still help. A request the llm-d router's objective alone judged waits on, as that header promises. Under a
+sustained overload with no objective of the operator's, a request queued into a backlog (most of them queued before
+the overload was seen: no objective judged them) is refused on an arrival's pass once its first token would come past
+twice the derived objective (``Deadlines.backlog_bound``): requests go on arriving behind it, and a finite burst's
+stragglers, with none behind them, are served.
 
 While the pace's cap binds (``pace``), the KV forecast sees free blocks and would queue every arrival: the wait is
 then set by the requests that end, one admission each. An arrival is refused when its turn, at the rate requests
@@ -45,12 +49,21 @@ def late_requests(
         return
     engine = deadlines.engine_seconds(in_flight)
     whose = f" {SUSTAINED}" if deadlines.objective is None else ""  # the derived objective, else the operator's
+    bound = deadlines.backlog_bound() if arriving is not None else None  # requests go on arriving behind them
     for r in list(queue):
         limit = r.wait_limit
-        if r is arriving or limit is None or limit.objective is None:
+        if r is arriving or limit is None:
             continue
         waited = now - queue.enqueued_at(r)
-        if deadlines.late(limit, waited, engine):
+        if limit.objective is None:
+            if bound is not None and limit.backlogged and waited + engine > bound:
+                yield r, errors.DeadlineUnreachable(
+                    f"Waited {waited:.1f} s in the queue behind a backlog; with the engine's {engine:.1f} s to a first "
+                    f"token now, its first token would come past {bound:.1f} s, "
+                    f"twice the objective derived {SUSTAINED}, while requests go on arriving; retry later.",
+                    retry_after=drain.retry_after(queue.position(r), now),
+                )
+        elif deadlines.late(limit, waited, engine):
             retry_after = drain.retry_after(queue.position(r), now)
             yield r, errors.DeadlineUnreachable(
                 f"Waited {waited:.1f} s in the queue; with the engine's {engine:.1f} s to a first token now, its "

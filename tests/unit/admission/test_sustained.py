@@ -403,3 +403,51 @@ def test_an_arrival_refused_for_the_engines_queue_is_told_both_waits() -> None:
         "Requests wait 2.0 s in the engine's own queue now, and an arriving request may wait 1.0 s in all (the "
         "gateway's queue and the engine's) while the overload is sustained (--ttft-objective auto); retry later.")
     assert error.retry_after == 1.0
+
+
+@pytest.mark.parametrize(("arrives", "refused"), [
+    pytest.param(True, True, id="requests go on arriving behind it: refused once past twice the derived objective"),
+    pytest.param(False, False, id="none arrives behind it (a finite burst's straggler): it waits on"),
+])
+async def test_once_sustained_a_request_queued_into_a_backlog_is_refused_past_twice_the_derived_objective(
+    arrives: bool, refused: bool,
+) -> None:
+    # At 3x the engine's capacity the queue held 150-250 requests when the overload was seen; they waited up to
+    # 6-10 s while every arrival behind them was refused at once.
+    rig = Rig(queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict")
+    running = [await rig.req(5).__aenter__(), await rig.req(5).__aenter__()]
+    first = enter(rig.req(5))  # queued before any backlog
+    await settle()
+    rig.clock.now += 1.5
+    behind = enter(rig.req(1))  # ``first`` has waited past the 1-s wait: ``behind`` arrives into a backlog
+    await settle()
+    rig.clock.now += 1.1
+    rig.adm.tick()  # ``behind`` has waited past the wait itself: sustained
+    await settle()
+    assert rig.adm.status()["deadlines"]["sustained_overload"] and rig.adm.queued == 2
+    rig.clock.now += 2.8  # its first token no later than 4 s (twice the derived objective of 2 s): it waits on
+    later = enter(rig.req(1))
+    await settle()
+    assert not behind.done()
+    rig.clock.now += 0.2
+    if arrives:
+        another = enter(rig.req(1))
+    else:
+        rig.adm.tick()
+    await settle()
+    assert behind.done() is refused
+    if refused:
+        with pytest.raises(errors.DeadlineUnreachable, match=r"Waited 4\.1 s in the queue behind a backlog; .* past "
+                           r"4\.0 s, twice the objective derived while the overload is sustained \(--ttft-objective "
+                           r"auto\), while requests go on arriving; retry later\.") as caught:
+            behind.result()
+        assert caught.value.code == "deadline" and caught.value.retry_after is not None
+    assert not first.done()  # queued before any backlog: served whole, however long it waits
+    arrivals = [later, another] if arrives else [later]
+    for r in running:
+        r.release()
+    for task in [first, behind, *arrivals]:
+        await settle()
+        if not task.done() or task.exception() is None:
+            (await task).release()
+    rig.assert_drained()
