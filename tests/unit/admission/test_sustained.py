@@ -451,3 +451,20 @@ async def test_once_sustained_a_request_queued_into_a_backlog_is_refused_past_tw
         if not task.done() or task.exception() is None:
             (await task).release()
     rig.assert_drained()
+
+
+@pytest.mark.parametrize(("objective", "sustained", "unhurried", "bound"), [
+    pytest.param("auto", True, 0.1, 4.0, id="auto, sustained, a fast engine: twice the 2-s derived objective"),
+    pytest.param("auto", True, 2.5, 10.0, id="auto, sustained, a slow engine: twice its own 5-s objective"),
+    pytest.param("auto", False, 0.1, None, id="auto, no overload: a burst waits on"),
+    pytest.param(5.0, True, 0.1, None, id="SECONDS: the operator's objective judges each request instead"),
+    pytest.param("off", True, 0.1, None, id="off: the queue timeout only"),
+])
+def test_a_backlog_is_held_to_twice_the_derived_objective_only_while_an_overload_is_sustained_under_auto(
+    objective: float | str, sustained: bool, unhurried: float, bound: float | None,
+) -> None:
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, objective, lambda: 0.0)
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_tokens.add(unhurried)  # admitted as they arrived
+    deadlines.sustained.sustained = sustained
+    assert deadlines.backlog_bound() == (None if bound is None else pytest.approx(bound))
