@@ -71,8 +71,23 @@ def late_requests(
                 f"{whose}; retry later.",
                 retry_after=retry_after,
             )
+    yield from _held_by_the_cap(queue, deadlines, drain, in_flight, now, arriving, whose)
+
+
+def _held_by_the_cap(
+    queue: WaitQueue[Q], deadlines: Deadlines, drain: Drain, in_flight: int, now: float, arriving: Q | None,
+    whose: str,
+) -> Iterator[tuple[Q, errors.DeadlineUnreachable]]:
+    """The arrival, when the pace's cap would hold it past the time it may wait: an objective judged it, or the wait
+    derived under a sustained overload (the pace then holds the backlog's bound)."""
     limit = arriving.wait_limit if arriving is not None else None
-    if arriving is None or limit is None or limit.objective is None or not deadlines.pace.binds(in_flight):
+    if arriving is None or limit is None or not deadlines.pace.binds(in_flight):
+        return
+    if limit.objective is not None:
+        within = f"the TTFT objective of {limit.objective:.1f} s{whose}"
+    elif limit.derived and (bound := deadlines.backlog_bound()) is not None:
+        within = f"{bound:.1f} s, twice the objective derived {SUSTAINED},"
+    else:
         return
     rate = drain.rate(now)
     if rate is None or arriving not in queue:
@@ -82,8 +97,7 @@ def late_requests(
     if turn > ARRIVAL_SHARE * limit.seconds:
         yield arriving, errors.DeadlineUnreachable(
             f"Expected wait {turn:.1f} s for one of the {deadlines.pace.cap} requests the engine runs at once within "
-            f"the TTFT objective of {limit.objective:.1f} s{whose} exceeds "
-            f"{ARRIVAL_SHARE:.0%} of the {limit.seconds:.1f} s the request may wait ({position} ahead of it, "
-            f"{rate:.1f} requests end a second); retry later.",
+            f"{within} exceeds {ARRIVAL_SHARE:.0%} of the {limit.seconds:.1f} s the request may wait "
+            f"({position} ahead of it, {rate:.1f} requests end a second); retry later.",
             retry_after=drain.retry_after(position, now),
         )

@@ -468,3 +468,64 @@ def test_a_backlog_is_held_to_twice_the_derived_objective_only_while_an_overload
         deadlines.first_tokens.add(unhurried)  # admitted as they arrived
     deadlines.sustained.sustained = sustained
     assert deadlines.backlog_bound() == (None if bound is None else pytest.approx(bound))
+
+
+@pytest.mark.parametrize(("objective", "feedback", "sustained", "held_to"), [
+    pytest.param("auto", False, True, 4.0, id="auto, sustained: the backlog's bound, its half the derived objective"),
+    pytest.param("auto", True, True, 2.0, id="auto with feedback, sustained: the derived objective itself"),
+    pytest.param("auto", False, False, None, id="auto, no overload: no cap, a burst is served as it comes"),
+    pytest.param(5.0, False, True, 5.0, id="SECONDS: the operator's objective"),
+    pytest.param("off", False, True, None, id="off: no cap"),
+])
+def test_the_pace_holds_the_admitted_to_the_objective_arrivals_are_held_to_else_to_the_backlogs_bound(
+    objective: float | str, feedback: bool, sustained: bool, held_to: float | None,
+) -> None:
+    deadlines = Deadlines(DEFAULT_QUEUE_TIMEOUT, objective, lambda: 0.0, feedback=feedback)
+    for _ in range(MIN_SAMPLES):
+        deadlines.first_tokens.add(0.1)  # admitted as they arrived: the floor's 1-s wait, a 2-s derived objective
+    deadlines.sustained.sustained = sustained
+    assert deadlines.pace_objective() == (None if held_to is None else pytest.approx(held_to))
+
+
+async def test_under_a_sustained_overload_the_engines_own_time_past_the_derived_objective_caps_the_requests_in_flight(
+) -> None:
+    """The default, where the cache does not bind first: KV blocks admit every arrival and the engine's own time to a
+    first token grows past the derived objective (2 s); the pace's cap then holds the requests in flight, and an
+    arrival whose turn under it comes past 80% of the derived wait is refused at once."""
+    rig = Rig(engine=True, queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict")
+    await rig.scrape(0.0, running=2, waiting=3)  # admitted into vLLM's own queue: no sample of its unhurried time
+    running = [await rig.req(1).__aenter__() for _ in range(10)]
+    rig.clock.now += 2.5  # first tokens 2.5 s after admission: past the derived objective of 2 s (the floor's)
+    for r in running:
+        r.observe_output_tokens(1)
+    for r in running[:5]:
+        rig.clock.now += 0.2
+        r.release()  # five end: requests end at 5 a second
+    running = running[5:]
+    deadlines = rig.adm._deadlines
+    deadlines.steer(len(running), False, 0)
+    assert deadlines.status()["pace_cap"] is None  # no sustained overload: nothing holds the engine's time
+    # The overload, seen in the engine's own queue (the gateway's stays empty where KV room admits every arrival).
+    deadlines.sustained.engine_backlog(rig.clock.now, begins=True)
+    deadlines.steer(len(running), False, 0)
+    assert deadlines.status()["pace_cap"] == 4  # 80% of the five in flight
+    waiting = [enter(rig.req(1)) for _ in range(3)]
+    await settle()
+    assert rig.adm.in_flight == 5 and rig.adm.queued == 3  # blocks are free: the cap holds them
+    # The derived wait is the floor's 1 s, 80% of it 0.8 s: the fourth in line, at 5 a second, takes 0.8 s; the
+    # fifth 1.0 s.
+    fourth = enter(rig.req(1))
+    await settle()
+    assert rig.adm.queued == 4 and not fourth.done()
+    with pytest.raises(errors.DeadlineUnreachable, match=(
+        r"Expected wait 1\.0 s for one of the 4 requests the engine runs at once within 4\.0 s, twice the objective "
+        r"derived while the overload is sustained \(--ttft-objective auto\), exceeds 80% of the 1\.0 s the request "
+        r"may wait \(4 ahead of it, 5\.0 requests end a second\); retry later\.")) as caught:
+        await rig.req(1).__aenter__()
+    assert caught.value.code == "deadline" and caught.value.retry_after is not None and rig.adm.queued == 4
+    for task in [*waiting, fourth]:
+        task.cancel()
+    await asyncio.gather(*waiting, fourth, return_exceptions=True)
+    for r in running:
+        r.release()
+    rig.assert_drained()
