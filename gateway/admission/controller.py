@@ -330,7 +330,8 @@ class Admission:
         site.policy.admitted(r, site.capacity())
         waited = max(0.0, self._clock() - enqueued_at)
         r.target = site.target
-        r.admit(waited, engine_queued=site.engine_queued)
+        crowded = self._deadlines.crowded(len(self._in_flight), len(self._sites))
+        r.admit(waited, engine_queued=site.engine_queued or crowded)
         site.books.commit(r)
         self._headroom.commit(r)
         self._queue.served(r, prompt_tokens=r.prompt_tokens)

@@ -48,6 +48,9 @@ QUANTILE = 0.9
 # milliseconds before either. Deadlines above it that a busy engine misses stay 503 with Retry-After.
 MIN_DEADLINE_SECONDS = 0.001
 UNQUEUED_SAMPLES = 64  # requests admitted as they arrived, whose first tokens say what the engine takes unhurried
+# Of ours awaiting a first token, per engine, past which a request admitted is not a sample of the engine's unhurried
+# time (``Deadlines.crowded``).
+UNHURRIED_AHEAD = 4
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +279,16 @@ class Deadlines:
                 "requests waited %.2f s on average in the engine's own queue, past the %.2f s an arriving request may "
                 "wait under a sustained overload (--ttft-objective auto): the engine's prefill, not its KV cache, "
                 "binds; arrivals are refused while that queue holds their whole wait", waited, wait)
+
+    def crowded(self, in_flight: int, engines: int = 1) -> bool:
+        """Whether a request admitted now joins more of ours awaiting their first token than ``UNHURRIED_AHEAD`` an
+        engine: its first token then comes after their prefills, not in the engine's unhurried time, though nothing
+        waits in the engine's own queue. Where the cache lets a compute-bound engine take a surge's first hundred
+        requests at once (1,024 blocks at 3x its capacity), vLLM's queue was empty while they all prefilled together,
+        their first tokens came 3-5 s after admission, and taken for the unhurried time they set the derived wait at
+        2.8-3.6 s, its objective at 5.6-7.2 s (docs/realistic.md). Those admitted ahead of such a crowd are served
+        first (vLLM schedules prefills in arrival order) and still tell the unhurried time."""
+        return in_flight - self._streaming > UNHURRIED_AHEAD * max(1, engines)
 
     def unhurried(self) -> float:
         """The engine's time to a first token when not overloaded (0 before any was seen)."""

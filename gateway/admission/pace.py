@@ -10,9 +10,10 @@ slower, and the engine's own time to a first token grows under a queue that can 
 of that time drift with the load they admit (on a shared host, a slower card, longer prompts): so the cap on the
 requests in flight is set by feedback on what happened to the requests admitted lately, not by a model.
 
-Every ``STEP_SECONDS`` while an objective applies (the operator's ``--ttft-objective``, or the derived one while an
-overload is sustained), over the requests admitted in the last ``WINDOW_SECONDS`` (and since the cap last fell) whose
-first token came (the misses counted among those an objective judged as they arrived):
+Every ``STEP_SECONDS`` while an objective applies (the operator's ``--ttft-objective``, or, while an overload is
+sustained under ``auto``, the derived one with ``--sustained-feedback on`` and twice it without:
+``Deadlines.pace_objective``), over the requests admitted in the last ``WINDOW_SECONDS`` (and since the cap last
+fell) whose first token came (the misses counted among those an objective judged as they arrived):
 
 - **tighten** when the engine's own time (from the request's write to it to its first token) at the ``QUANTILE``
   passes ``ENGINE_SHARE`` of the objective, or more than ``MISSED_SHARE`` of them got their first token past the

@@ -107,7 +107,7 @@ class Reservation:
         self._phase = Phase.NEW
         self._future: asyncio.Future[None] | None = None
         self._waited = False
-        self._engine_queued = False  # admitted while its engine had requests waiting (``admit``)
+        self._engine_queued = False  # admitted into a queue in the engine, or behind a crowd of prefills (``admit``)
         self._cut = False
         self._generated = 0
         self._observed = False
@@ -187,7 +187,8 @@ class Reservation:
     @property
     def queued_anywhere(self) -> bool:
         """Whether it waited in the queue, or was admitted as it arrived into an engine with requests waiting in
-        its own: either way its first token came after a queue's wait, not the engine's unhurried time."""
+        its own or behind a crowd of ours awaiting their first token: either way its first token came after a queue's
+        wait, not the engine's unhurried time."""
         return self._waited or self._engine_queued
 
     @property
@@ -294,7 +295,8 @@ class Reservation:
             raise
 
     def admit(self, waited_seconds: float, *, engine_queued: bool = False) -> None:
-        """``engine_queued``: its engine had requests of its own waiting as it was admitted."""
+        """``engine_queued``: its engine had requests of its own waiting as it was admitted, or more of ours awaited
+        their first token than it starts unhurried (``Deadlines.crowded``)."""
         self._move(Phase.ADMITTED, (Phase.QUEUED,))
         self._engine_queued = engine_queued
         self._admitted_at = self._clock()

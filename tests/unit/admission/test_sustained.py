@@ -13,7 +13,7 @@ import pytest
 
 from gateway import errors
 from gateway.admission import Reservation, refusals
-from gateway.admission.deadlines import MIN_SAMPLES, Deadlines, WaitLimit
+from gateway.admission.deadlines import MIN_SAMPLES, UNHURRIED_AHEAD, Deadlines, WaitLimit
 from gateway.admission.sustained import CALM_SECONDS, MIN_WAIT_SECONDS, SustainedOverload
 from gateway.config import Settings
 from tests.unit.admission.rig import Rig, enter, settle
@@ -283,6 +283,25 @@ async def test_the_unhurried_time_counts_only_requests_that_waited_in_no_queue_t
         async with rig.req(1) as r:
             rig.adm.first_token(r, 2.0)
     assert rig.adm.status()["deadlines"]["engine_first_token_unqueued_s"] == unhurried
+    rig.assert_drained()
+
+
+@pytest.mark.parametrize(("ahead", "unhurried"), [
+    pytest.param(UNHURRIED_AHEAD, 2.0, id="admitted behind a few of ours awaiting a first token: unhurried"),
+    pytest.param(UNHURRIED_AHEAD + 1, None, id="behind a crowd of them, as a surge's first hundred: not unhurried"),
+])
+async def test_a_request_admitted_behind_a_crowd_of_ours_awaiting_their_first_token_is_no_sample_of_the_unhurried_time(
+    ahead: int, unhurried: float | None
+) -> None:
+    rig = Rig(kv_blocks=100, admission_policy="strict")
+    crowd = [await rig.req(1).__aenter__() for _ in range(ahead)]  # admitted, prefilling: no first token yet
+    for _ in range(MIN_SAMPLES):
+        async with rig.req(1) as r:
+            rig.clock.now += 2.0
+            r.observe_output_tokens(1)  # its first token, 2 s after it was sent
+    assert rig.adm.status()["deadlines"]["engine_first_token_unqueued_s"] == unhurried
+    for r in crowd:
+        r.release()
     rig.assert_drained()
 
 
