@@ -286,7 +286,7 @@ class Deadlines:
         waits in the engine's own queue. Where the cache lets a compute-bound engine take a surge's first hundred
         requests at once (1,024 blocks at 3x its capacity), vLLM's queue was empty while they all prefilled together,
         their first tokens came 3-5 s after admission, and taken for the unhurried time they set the derived wait at
-        2.8-3.6 s, its objective at 5.6-7.2 s (docs/realistic.md). Those admitted ahead of such a crowd are served
+        2.8-4.4 s, its objective at 5.6-8.7 s (docs/realistic.md). Those admitted ahead of such a crowd are served
         first (vLLM schedules prefills in arrival order) and still tell the unhurried time."""
         return in_flight - self._streaming > UNHURRIED_AHEAD * max(1, engines)
 
