@@ -40,10 +40,7 @@ class Admission:
     """The admission controller: one per gateway, shared by every request."""
 
     def __init__(
-        self,
-        settings: Settings,
-        engine: EngineView | None,
-        metrics: Metrics,
+        self, settings: Settings, engine: EngineView | None, metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
         *,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
