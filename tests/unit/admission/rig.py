@@ -123,3 +123,16 @@ async def adaptive_rig_with_short_outputs(policy: str = "adaptive") -> tuple[Rig
     rig.clock.now += 0.1
     await rig.scrape(0.10)
     return rig, running
+
+
+async def five_running_after_slow_first_tokens(rig: Rig, seconds: float) -> list[Reservation]:
+    """Ten requests admitted, each with its first token ``seconds`` after its admission, then five of them ended at
+    five a second (0.2 s apart): the five still running."""
+    running = [await rig.req(1).__aenter__() for _ in range(10)]
+    rig.clock.now += seconds
+    for r in running:
+        r.observe_output_tokens(1)
+    for r in running[:5]:
+        rig.clock.now += 0.2
+        r.release()
+    return running[5:]

@@ -10,7 +10,7 @@ import pytest
 
 from gateway import errors
 from gateway.admission.pace import DECREASE, MIN_CAP, MIN_SAMPLES, STEP_SECONDS, WINDOW_SECONDS, Pace
-from tests.unit.admission.rig import Rig, enter, settle
+from tests.unit.admission.rig import Rig, enter, five_running_after_slow_first_tokens, settle
 
 
 def fed(engine: float, waited: float = 0.0, objective: float | None = 5.0, count: int = MIN_SAMPLES,
@@ -113,14 +113,8 @@ async def test_the_admission_holds_the_requests_in_flight_to_the_cap_and_refuses
     """With the engine's first tokens slow against the objective, admission stops at the cap though KV blocks are
     free; an arrival whose turn at the rate requests end comes past 80% of its wait is refused at once."""
     rig = Rig(queue_timeout=30.0, ttft_objective=8.0, kv_blocks=100)
-    running = [await rig.req(1).__aenter__() for _ in range(10)]
-    rig.clock.now += 4.5  # first tokens 4.5 s after admission: past half the objective
-    for r in running:
-        r.observe_output_tokens(1)
-    for r in running[:5]:
-        rig.clock.now += 0.2
-        r.release()  # five end: requests end at 5 a second
-    running = running[5:]
+    # First tokens 4.5 s after admission (past half the objective); five end, at 5 a second.
+    running = await five_running_after_slow_first_tokens(rig, 4.5)
     rig.adm._deadlines.steer(len(running), True, 0)  # an engine snapshot's step
     cap = rig.adm.status()["deadlines"]["pace_cap"]
     assert cap == 4  # 80% of the five in flight

@@ -16,7 +16,7 @@ from gateway.admission import Reservation, refusals
 from gateway.admission.deadlines import MIN_SAMPLES, UNHURRIED_AHEAD, Deadlines, WaitLimit
 from gateway.admission.sustained import CALM_SECONDS, MIN_WAIT_SECONDS, SustainedOverload
 from gateway.config import Settings
-from tests.unit.admission.rig import Rig, enter, settle
+from tests.unit.admission.rig import Rig, enter, five_running_after_slow_first_tokens, settle
 
 DEFAULT_QUEUE_TIMEOUT = Settings().queue_timeout
 
@@ -513,14 +513,8 @@ async def test_under_a_sustained_overload_the_engines_own_time_past_the_derived_
     arrival whose turn under it comes past 80% of the derived wait is refused at once."""
     rig = Rig(engine=True, queue_timeout=DEFAULT_QUEUE_TIMEOUT, admission_policy="strict")
     await rig.scrape(0.0, running=2, waiting=3)  # admitted into vLLM's own queue: no sample of its unhurried time
-    running = [await rig.req(1).__aenter__() for _ in range(10)]
-    rig.clock.now += 2.5  # first tokens 2.5 s after admission: past the derived objective of 2 s (the floor's)
-    for r in running:
-        r.observe_output_tokens(1)
-    for r in running[:5]:
-        rig.clock.now += 0.2
-        r.release()  # five end: requests end at 5 a second
-    running = running[5:]
+    # First tokens 2.5 s after admission (past the derived objective of 2 s, the floor's); five end, at 5 a second.
+    running = await five_running_after_slow_first_tokens(rig, 2.5)
     deadlines = rig.adm._deadlines
     deadlines.steer(len(running), False, 0)
     assert deadlines.status()["pace_cap"] is None  # no sustained overload: nothing holds the engine's time
