@@ -201,8 +201,8 @@ class Deadlines:
         return self.sustained.objective(self.unhurried()) if held else None
 
     def backlog_bound(self) -> float | None:
-        """While an overload is sustained (``auto``), the time to a first token past which a queued request that arrived
-        into a backlog is refused on an arrival's pass (``SustainedOverload.late_bound``); None otherwise."""
+        """While an overload is sustained (``auto``), the time to a first token past which a queued request is refused
+        on an arrival's pass (``SustainedOverload.late_bound``); None otherwise."""
         if self.objective is not None or not self.sustained.applies(self._clock()):
             return None
         return self.sustained.late_bound(self.unhurried())

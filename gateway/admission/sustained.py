@@ -23,10 +23,11 @@ waited 3.5 s, and the rule that took any late departure for a sustained overload
 requests of a sustained overload are queued too, and at three times the engine's capacity they are many: when the
 overload was seen (2-3 s in, 256 blocks, docs/realistic.md) the queue held 150-250 requests, which waited up to 6-10 s
 (72, 26 and 46 of a turn's admitted past 5 s), and every arrival of the next seconds was refused at once behind them.
-So once it is sustained, each arrival's pass also refuses the queued requests that arrived into a backlog whose wait so
-far and the engine's time to a first token now pass twice the derived objective (``late_bound``, 4 s at the floor;
-``lateness``): requests go on arriving behind them that the engine can serve in time. A burst's stragglers are
-refused so only if requests go on arriving after them: a finite burst sends none, and is served whole.
+So once it is sustained, each arrival's pass also refuses the queued requests whose wait so far and the engine's time
+to a first token now pass twice the derived objective (``late_bound``, 4 s at the floor; ``lateness``), whether they
+arrived into a backlog or before one (the surge's first second: at 1,024 blocks those waited 6.4-6.9 s): requests go
+on arriving behind them that the engine can serve in time. A burst's stragglers are refused so only if requests go on
+arriving after them: a finite burst sends none, and is served whole.
 From then on an arriving request may wait in the queue
 
     the engine's *unhurried* time to a first token (at least ``MIN_WAIT_SECONDS``)
@@ -78,7 +79,7 @@ from collections.abc import Callable
 MIN_WAIT_SECONDS = 1.0
 ENGINE_MULTIPLE = 1.0  # of the engine's unhurried time to a first token, that a request may wait
 CALM_SECONDS = 1.0  # of an empty queue, that end a sustained overload
-# Of the derived objective: past it a request that arrived into a backlog is refused from the queue, once the overload
+# Of the derived objective: past it a queued request is refused from the queue, once the overload
 # is sustained and requests go on arriving behind it (``SustainedOverload.late_bound``).
 BACKLOG_MULTIPLE = 2.0
 
@@ -108,7 +109,7 @@ class SustainedOverload:
         return 2 * self.wait(unhurried)
 
     def late_bound(self, unhurried: float) -> float:
-        """The time to a first token past which a request that arrived into a backlog is refused from the queue while
+        """The time to a first token past which a queued request is refused from the queue while
         the overload is sustained and requests go on arriving: twice the derived objective (4 s at the floor)."""
         return BACKLOG_MULTIPLE * self.objective(unhurried)
 
