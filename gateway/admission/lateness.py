@@ -11,8 +11,8 @@ sustained overload with no objective of the operator's, a queued request (most o
 was seen: no objective judged them) is refused on an arrival's pass once its first token would come past twice the
 derived objective (``Deadlines.backlog_bound``): requests go on arriving behind it, and a finite burst's stragglers,
 with none behind them, are served. That holds for the surge's first requests too, queued before any backlog: at three
-times the engine's capacity into 1,024 blocks those waited 6.4-6.9 s in one turn of three (p99 8.3 s against a bound
-of 6.75 s, docs/realistic.md).
+times the engine's capacity into 256 blocks the onset's longest wait fell from 6.0 s to 3.2-3.9 s with them refused so
+(docs/realistic.md); into 1,024 blocks the pace admits them before the bound and it seldom engages.
 
 While the pace's cap binds (``pace``), the KV forecast sees free blocks and would queue every arrival: the wait is
 then set by the requests that end, one admission each. An arrival is refused when its turn, at the rate requests

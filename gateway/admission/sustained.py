@@ -25,7 +25,7 @@ overload was seen (2-3 s in, 256 blocks, docs/realistic.md) the queue held 150-2
 (72, 26 and 46 of a turn's admitted past 5 s), and every arrival of the next seconds was refused at once behind them.
 So once it is sustained, each arrival's pass also refuses the queued requests whose wait so far and the engine's time
 to a first token now pass twice the derived objective (``late_bound``, 4 s at the floor; ``lateness``), whether they
-arrived into a backlog or before one (the surge's first second: at 1,024 blocks those waited 6.4-6.9 s): requests go
+arrived into a backlog or before one (the surge's first second: at 256 blocks those waited up to 6.0 s): requests go
 on arriving behind them that the engine can serve in time. A burst's stragglers are refused so only if requests go on
 arriving after them: a finite burst sends none, and is served whole.
 From then on an arriving request may wait in the queue
