@@ -41,11 +41,8 @@ class Admission:
 
     def __init__(
         self, settings: Settings, engine: EngineView | None, metrics: Metrics,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        engines: Sequence[EngineView] = (),
-        usable: Callable[[int], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic, *, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        engines: Sequence[EngineView] = (), usable: Callable[[int], bool] | None = None,
     ) -> None:
         """``engine``, or several ``engines`` serving the same model; ``usable(i)``: whether engine ``i`` may
         take requests now (up, not hung), consulted when there are several."""
@@ -106,8 +103,7 @@ class Admission:
         return min(s.projector.optimism.value for s in self._sites)
 
     def budget_blocks(self) -> int | None:
-        """The blocks the gateway may commit (``kv_target`` x capacity, every engine's together); None while no
-        capacity is known."""
+        """The blocks the gateway may commit (``kv_target`` x capacity, all engines'); None while none is known."""
         self._capacity()
         return self._sites.budget_total() if self._sites.capacities() else None
 
@@ -222,6 +218,7 @@ class Admission:
         limit = r.wait_limit = self._deadlines.limit(r, len(self._in_flight), self._queue.oldest_wait(now))
         if limit.seconds <= 0:  # the engine alone takes longer than its deadline to a first token
             r.reject()
+            self._refuse_late(arriving=r)  # refused at once, it still arrived: the backlog's bound holds (``lateness``)
             raise refusals.deadline_now(limit, self._drain.retry_after(len(self._queue), now))
         r.enqueue()
         self._headroom.arrive(r)
@@ -297,9 +294,7 @@ class Admission:
                 if chosen is None:
                     break
                 self._admit(chosen, placed[chosen])
-            for r, err in list(lateness.late_requests(  # known late, or held past their objective by the pace
-                    self._queue, self._deadlines, self._drain, len(self._in_flight), self._clock(), arriving)):
-                self._fail(r, err)
+            self._refuse_late(arriving)
             if largest is not None and self._queue:  # refused now rather than at the deadline: forecast to wait
                 free = self._sites.budget_total() - self.committed
                 backlog, span = self._queue.backlog(), refusals.span_of(self._settings.queue_timeout)
@@ -309,6 +304,12 @@ class Admission:
         self._deadlines.queue(bool(self._queue), self._clock())
         self._forecast.observe(backlogged=bool(self._queue) and bool(self._in_flight) and not self._paused)
         self._gauges.publish_load(self._sites, self._queue.depth)
+
+    def _refuse_late(self, arriving: Reservation | None) -> None:
+        """Refuse the queued requests known late, or held past their objective by the pace (``lateness``)."""
+        for r, err in list(lateness.late_requests(
+                self._queue, self._deadlines, self._drain, len(self._in_flight), self._clock(), arriving)):
+            self._fail(r, err)
 
     def _place(self, r: Reservation, placed: dict[Reservation, Site]) -> bool:
         """Whether ``r`` fits on an engine now; the engine it fits on first is noted in ``placed``."""

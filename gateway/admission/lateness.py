@@ -10,7 +10,9 @@ retry can still help. A request the llm-d router's objective alone judged waits 
 sustained overload with no objective of the operator's, a queued request (most of them queued before the overload
 was seen: no objective judged them) is refused on an arrival's pass once its first token would come past twice the
 derived objective (``Deadlines.backlog_bound``): requests go on arriving behind it, and a finite burst's stragglers,
-with none behind them, are served. That holds for the surge's first requests too, queued before any backlog: at three
+with none behind them, are served. An arrival refused at once counts as one (``Admission.arrive``): at three times
+capacity into 1,024 blocks vLLM's own queue took every arrival's whole wait, so no arrival was queued and none made a
+pass, while the onset's queue waited 4.4-7.0 s (docs/realistic.md). That holds for the surge's first requests too, queued before any backlog: at three
 times the engine's capacity into 256 blocks the onset's longest wait fell from 6.0 s to 3.2-3.9 s with them refused so
 (docs/realistic.md); into 1,024 blocks the pace admits them before the bound and it seldom engages.
 
@@ -45,8 +47,8 @@ Q = TypeVar("Q", bound=Queued)
 def late_requests(
     queue: WaitQueue[Q], deadlines: Deadlines, drain: Drain, in_flight: int, now: float, arriving: Q | None,
 ) -> Iterator[tuple[Q, errors.DeadlineUnreachable]]:
-    """The queued requests to refuse now, each with its refusal; ``arriving``: the request just queued, judged on
-    its turn under the pace's cap rather than on its wait (it has none yet)."""
+    """The queued requests to refuse now, each with its refusal; ``arriving``: the request just arrived (queued, and
+    judged on its turn under the pace's cap rather than on its wait, or refused at once and not in the queue)."""
     if deadlines.objective is None and not deadlines.sustained.sustained:
         return
     engine = deadlines.engine_seconds(in_flight)

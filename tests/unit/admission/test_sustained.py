@@ -425,11 +425,13 @@ def test_an_arrival_refused_for_the_engines_queue_is_told_both_waits() -> None:
 
 
 @pytest.mark.parametrize(("arrives", "refused"), [
-    pytest.param(True, True, id="requests go on arriving behind them: refused past twice the derived objective"),
-    pytest.param(False, False, id="none arrives behind them (a finite burst's stragglers): they wait on"),
+    pytest.param("queued", True, id="requests go on arriving behind them: refused past twice the derived objective"),
+    pytest.param("refused at once", True, id="arrivals go on, each refused at once (vLLM's queue takes its whole "
+                 "wait): refused all the same"),
+    pytest.param(None, False, id="none arrives behind them (a finite burst's stragglers): they wait on"),
 ])
 async def test_once_sustained_a_queued_request_is_refused_past_twice_the_derived_objective(
-    arrives: bool, refused: bool,
+    arrives: str | None, refused: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # At 3x the engine's capacity the queue held 150-250 requests when the overload was seen; they waited up to
     # 6-10 s while every arrival behind them was refused at once. Those queued in the surge's first second, before
@@ -451,7 +453,12 @@ async def test_once_sustained_a_queued_request_is_refused_past_twice_the_derived
     assert not first.done() and not behind.done()
 
     async def go_on() -> None:
-        if arrives:
+        if arrives == "refused at once":  # 5 s ahead in vLLM's queue: past the whole 1-s wait
+            monkeypatch.setattr(rig.adm._deadlines.engine_queue, "ahead", lambda now: 5.0)
+            with pytest.raises(errors.DeadlineUnreachable, match="in the engine's own queue"):
+                async with rig.req(1):
+                    pass
+        elif arrives == "queued":
             arrivals.append(enter(rig.req(1)))
         else:
             rig.adm.tick()
