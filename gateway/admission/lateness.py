@@ -10,11 +10,11 @@ retry can still help. A request the llm-d router's objective alone judged waits 
 sustained overload with no objective of the operator's, a queued request (most of them queued before the overload
 was seen: no objective judged them) is refused on an arrival's pass once its first token would come past twice the
 derived objective (``Deadlines.backlog_bound``): requests go on arriving behind it, and a finite burst's stragglers,
-with none behind them, are served. An arrival refused at once counts as one (``Admission.arrive``): at three times
-capacity into 1,024 blocks vLLM's own queue took every arrival's whole wait, so no arrival was queued and none made a
-pass, while the onset's queue waited 4.4-7.0 s (docs/realistic.md). That holds for the surge's first requests too, queued before any backlog: at three
+with none behind them, are served. That holds for the surge's first requests too, queued before any backlog: at three
 times the engine's capacity into 256 blocks the onset's longest wait fell from 6.0 s to 3.2-3.9 s with them refused so
-(docs/realistic.md); into 1,024 blocks the pace admits them before the bound and it seldom engages.
+(docs/realistic.md). An arrival refused at once counts as one arriving (``Admission.arrive``): into 1,024 blocks vLLM's
+own queue took every arrival's whole wait, so none was queued and none made a pass, while the onset's queue waited
+4.4-7.0 s.
 
 While the pace's cap binds (``pace``), the KV forecast sees free blocks and would queue every arrival: the wait is
 then set by the requests that end, one admission each. An arrival is refused when its turn, at the rate requests
