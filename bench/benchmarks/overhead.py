@@ -20,6 +20,13 @@ with its live page open (``/guard/ui/data`` polled once a second, as an open pag
 puts the test suite's vLLM simulator behind the proxies instead of the fake engine (slower: its own CPU then
 binds first on the shared core).
 
+Target ``floor`` (``bench.servers.floor``) is the least a Python proxy on the gateway's own stack (uvloop, an
+asyncio protocol, httptools) can do: parse the request, forward it on a pooled connection, hand the answer back byte
+for byte. What the gateway spends above it is its own work; what it spends above vllm-router is the language's and
+the event loop's price for the same bytes. Target ``floor-count`` is the same proxy with the one piece of a guard's
+work no design avoids: each chat parsed and its prompt's ids counted by the gateway's own counter (its template
+rendered, its text tokenized), inline: what a lean guard would cost before admission and bookkeeping.
+
 Target ``frontend`` is vLLM's own API server (the CPU build on the tiny model, on the engine's core), which renders
 the chat template and counts the prompt as the gateway does: phase ``vllm`` sends it the short chats
 (``max_tokens`` 1) 16 at a time and reads the API server process's CPU per chat (its threads, not the engine
@@ -48,8 +55,10 @@ from bench.workloads import wrk
 from bench.workloads.streams import stream_body
 
 SUMMARY = "added latency, chats/s at 64 concurrent, /health, CPU per request: engine alone, gateway, vllm-router"
-TARGETS = ["engine", "gateway", "router", "frontend", "page", "workers"]
-DEFAULT_TARGETS = ["engine", "gateway", "router", "frontend"]
+TARGETS = ["engine", "gateway", "router", "floor", "floor-count", "frontend", "page", "workers"]
+DEFAULT_TARGETS = ["engine", "gateway", "router", "floor", "floor-count", "frontend"]
+# Each target against those before it in this order: the gateway against the engine, the router, the floor...
+REFERENCES = ["engine", "router", "floor", "floor-count", "frontend", "baseline", "gateway"]
 GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
 PHASES = ("c1", "c64", "health", "streams", "vllm")
 VLLM_CONNECTIONS = 16
@@ -105,6 +114,10 @@ def start_targets(ctx: Context, names: list[str]) -> dict[str, Target]:
                                        tokenizer=tok))
     if "router" in names:
         started.append(proxies.router(ctx, "router", [engine]))
+    if "floor" in names:
+        started.append(proxies.floor(ctx, "floor", [engine]))
+    if "floor-count" in names:
+        started.append(proxies.floor(ctx, "floor-count", [engine], count=tok))
     ctx.start(*started)
     by_name = {t.name: t for t in started}
     if "frontend" in names:
@@ -236,13 +249,16 @@ def run(ctx: Context) -> Result:
                      f"(max_tokens 1) {VLLM_CONNECTIONS} at a time for {ctx.args.vllm_seconds or ctx.args.seconds:g} "
                      "s, to vLLM's API server (frontend: that process's CPU, not its engine core's) and through a "
                      "second gateway in front of it (gateway: the gateway's CPU); gateway vs frontend is the ratio")
-    return ctx.result(MEASURES, runs, ["engine", "router", "frontend", "baseline", "gateway"], notes=notes)
+    return ctx.result(MEASURES, runs, REFERENCES, notes=notes)
 
 
 def describe(targets: dict[str, Target], names: list[str]) -> str:
     words = {"engine": "the fake engine alone" if targets["engine"].kind == "fake" else "the simulator alone",
              "gateway": "vllm-guard of this tree", "baseline": "vllm-guard at the baseline commit",
-             "router": f"vllm-router {proxies.ROUTER_VERSION}", "page": "the gateway with its live page open",
+             "router": f"vllm-router {proxies.ROUTER_VERSION}",
+             "floor": "the floor: a minimal Python proxy on the gateway's stack (bench/servers/floor.py)",
+             "floor-count": "the floor with each chat parsed and its prompt's ids counted by the gateway's counter",
+             "page": "the gateway with its live page open",
              "workers": "vllm-guard of this tree with --workers N (the proxies' cores shared)",
              "frontend": "vLLM's own API server (CPU build, tiny model): phase vllm only"}
     return "; ".join(f"{n}: {words.get(n, n)}" for n in names)

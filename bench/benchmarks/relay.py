@@ -19,6 +19,10 @@ Per target and load: the proxy's CPU per relayed token (its process, every threa
 cores it kept busy, time to first byte (p50, p99), relayed tokens a second, failed streams, and the engine's and
 the client's CPU per token (the client must not be what binds: its cores busy are shown).
 
+Target ``floor`` (``bench.servers.floor``) is the least a Python proxy on the gateway's own stack can do per event:
+one client write of the bytes of each upstream read, nothing parsed but where the answer ends (asked for usage on
+every chunk, as vllm-router is).
+
 Target ``frontend`` is vLLM's own API server (the CPU build on the tiny model, on the engine's core), which
 detokenizes and writes each event itself: ``--vllm-load`` streams (16 of 64 tokens, vLLM's own pace, usage on
 every chunk as the gateway asks for it) go to it, and the API server process's CPU per token is read (not its
@@ -48,8 +52,10 @@ from bench.targets import engines, frontend, proxies
 from bench.workloads.streams import USAGE_OPTIONS
 
 SUMMARY = "CPU per relayed token, time to first byte and tokens/s of streams: engine alone, gateway, vllm-router"
-TARGETS = ["engine", "gateway", "router", "frontend", "workers"]
-DEFAULT_TARGETS = ["engine", "gateway", "router", "frontend"]
+TARGETS = ["engine", "gateway", "router", "floor", "frontend", "workers"]
+DEFAULT_TARGETS = ["engine", "gateway", "router", "floor", "frontend"]
+# Each target against those before it in this order: the gateway against the engine, the router, the floor...
+REFERENCES = ["engine", "router", "floor", "frontend", "baseline", "gateway"]
 GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
 
 
@@ -195,6 +201,8 @@ def run(ctx: Context) -> Result:
                                                                         str(ctx.args.workers)), tokenizer=tok))
     if "router" in names:
         started.append(proxies.router(ctx, "router", [engine]))
+    if "floor" in names:
+        started.append(proxies.floor(ctx, "floor", [engine]))
     ctx.start(*started)
     targets = {t.name: t for t in started}
     left_out = frontend.unavailable() if frontend.NAME in names else None
@@ -214,8 +222,8 @@ def run(ctx: Context) -> Result:
         ctx.say(f"turn {turn + 1} {name}: " + ", ".join(f"{k} {v:.4g}" for k, v in f.items()))
 
     runs = in_turns(names, ctx.args.repeat, measure, said)
-    notes = [f"the client asks a gateway for usage: {ctx.args.usage}; the engine alone and vllm-router: on every "
-             "chunk (the engine's traffic the gateway asks for)",
+    notes = [f"the client asks a gateway for usage: {ctx.args.usage}; the engine alone, vllm-router and the floor: "
+             "on every chunk (the engine's traffic the gateway asks for)",
              f"cores: proxies {ctx.cores.proxy or 'any'}, engine {ctx.cores.engine or 'any'}, client "
              f"{ctx.cores.client or 'any'}; streams started for {ctx.args.seconds:g} s a run"]
     if left_out is not None:
@@ -225,5 +233,4 @@ def run(ctx: Context) -> Result:
         notes.append(f"on vLLM's CPU build (the tiny model, the engine's core): {streams} streams of {tokens} tokens "
                      "at a time at vLLM's pace; frontend: its API server process's CPU (usage on every chunk, as a "
                      "gateway asks); gateway: the gateway's CPU in front of it")
-    return ctx.result([*measures(loads), *VLLM_MEASURES], runs, ["engine", "router", "frontend", "baseline", "gateway"],
-                      notes=notes)
+    return ctx.result([*measures(loads), *VLLM_MEASURES], runs, REFERENCES, notes=notes)

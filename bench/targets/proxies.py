@@ -114,6 +114,19 @@ def router(ctx: Context, name: str, upstreams: Sequence[Target], *, cpus: str | 
                   about={"version": ROUTER_VERSION})
 
 
+def floor(ctx: Context, name: str, upstreams: Sequence[Target], *, cpus: str | None = None,
+          count: Path | None = None) -> Target:
+    """``bench.servers.floor`` in front of the first upstream: the least a Python proxy on the gateway's stack
+    (uvloop, an asyncio protocol, httptools) spends per request and per relayed event, on the proxies' cores;
+    with ``count`` (a tokenizer's directory), each chat's prompt also counted by the gateway's own counter."""
+    port = free_port()
+    counting = ("--count", str(count)) if count is not None else ()
+    argv = python("bench.servers.floor", "--port", str(port), *counting, upstreams[0].url)
+    server = Server(name, argv, port, ctx.log_path(name), cpus=cpus or ctx.cores.proxy)
+    return Target(name, "floor", server, upstreams=list(upstreams[:1]), ready_paths=("/health",), ready_timeout=60,
+                  about={"counts": count is not None})
+
+
 def round_robin(ctx: Context, name: str, upstreams: Sequence[Target], *, cpus: str | None = None) -> Target:
     """``bench.servers.round_robin``: each POST to the next upstream in turn, one proxy hop in its own process."""
     port = free_port()

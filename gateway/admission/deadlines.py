@@ -27,10 +27,11 @@ in vain.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -91,37 +92,47 @@ class WaitLimit:
 class FirstTokens:
     """The engine's time from a request's write to it to a first token, over the requests admitted lately; and,
     apart, over the last ``UNQUEUED_SAMPLES`` requests admitted as they arrived into an engine with none of its own
-    waiting (nothing kept them waiting: the engine was not overloaded), whenever that was."""
+    waiting (nothing kept them waiting: the engine was not overloaded), whenever that was.
+
+    The window's samples are also kept sorted, so that its quantile is read, not computed: it is read on every
+    engine snapshot and live-page sample, and at 1,500 streams a second the window holds 15,000 samples, whose
+    sort took ~2 ms each time on the loop; an insertion or removal in the sorted list moves pointers in C."""
 
     def __init__(self, clock: Callable[[], float], window: float = WINDOW_SECONDS) -> None:
         self._clock = clock
         self._window = window
         self._samples: deque[tuple[float, float]] = deque()
+        self._sorted: list[float] = []  # the window's seconds, in order
         self._unqueued: deque[float] = deque(maxlen=UNQUEUED_SAMPLES)
+        self._unqueued_quantile: float | None = None  # read on every arrival: computed once per sample
 
     def add(self, seconds: float, queued: bool = False) -> None:
         now = self._clock()
-        self._samples.append((now, max(0.0, seconds)))
+        seconds = max(0.0, seconds)
+        self._samples.append((now, seconds))
+        bisect.insort(self._sorted, seconds)
         self._prune(now)
         if not queued:
-            self._unqueued.append(max(0.0, seconds))
+            self._unqueued.append(seconds)
+            self._unqueued_quantile = _quantile_of_sorted(sorted(self._unqueued))
 
     def estimate(self) -> float | None:
         """The ``QUANTILE`` of the window's samples; None with fewer than ``MIN_SAMPLES``."""
         self._prune(self._clock())
-        return _quantile(s for _, s in self._samples)
+        return _quantile_of_sorted(self._sorted)
 
     def unqueued(self) -> float | None:
         """The ``QUANTILE`` of the engine's time when not overloaded; None with fewer than ``MIN_SAMPLES``."""
-        return _quantile(self._unqueued)
+        return self._unqueued_quantile
 
     def _prune(self, now: float) -> None:
-        while self._samples and self._samples[0][0] < now - self._window:
-            self._samples.popleft()
+        samples, ordered = self._samples, self._sorted
+        while samples and samples[0][0] < now - self._window:
+            _, seconds = samples.popleft()
+            del ordered[bisect.bisect_left(ordered, seconds)]
 
 
-def _quantile(samples: Iterable[float]) -> float | None:
-    ordered = sorted(samples)
+def _quantile_of_sorted(ordered: Sequence[float]) -> float | None:
     if len(ordered) < MIN_SAMPLES:
         return None
     return ordered[min(len(ordered) - 1, math.ceil(QUANTILE * len(ordered)) - 1)]
@@ -158,6 +169,8 @@ class Deadlines:
         backlogged = oldest_wait > self.sustained.wait(self.unhurried())
         if backlogged and limit.seconds > 0:  # queued (refused at once otherwise)
             self.sustained.arrived_into_backlog(r, self._clock())
+        if not backlogged and limit.then is None and not limit.backlogged:
+            return limit  # the usual case, as it is: no copies made on every arrival
         then = replace(limit.then, backlogged=backlogged, objective=limit.objective) if limit.then else None
         return replace(limit, backlogged=backlogged, then=then)
 

@@ -4,12 +4,15 @@ less the engine's own time to a first token; one that cannot make it is refused 
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway import errors
 from gateway.admission import Reservation
-from gateway.admission.deadlines import MIN_SAMPLES, WINDOW_SECONDS, Deadlines, FirstTokens
+from gateway.admission.deadlines import MIN_SAMPLES, QUANTILE, WINDOW_SECONDS, Deadlines, FirstTokens
 from gateway.http.errors import error_headers, status_and_type
 from tests.unit.admission.rig import BS, Rig, enter, settle
 from tests.unit.admission.test_forecast_shed import finish, steady
@@ -247,3 +250,21 @@ async def test_a_request_whose_own_objective_the_engine_alone_cannot_meet_is_ref
     for r in running:
         r.release()
     rig.assert_drained()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 4), st.floats(-1, 30, allow_nan=False)), max_size=60))
+def test_the_estimate_is_the_quantile_of_the_samples_in_the_window_whatever_comes_and_goes(
+    steps: list[tuple[float, float]],
+) -> None:
+    now = [0.0]
+    tokens = FirstTokens(lambda: now[0])
+    added: list[tuple[float, float]] = []
+    for gap, seconds in steps:
+        now[0] += gap
+        tokens.add(seconds)
+        added.append((now[0], max(0.0, seconds)))
+        window = sorted(s for t, s in added if t >= now[0] - WINDOW_SECONDS)
+        at = min(len(window) - 1, math.ceil(QUANTILE * len(window)) - 1)
+        expected = window[at] if len(window) >= MIN_SAMPLES else None
+        assert tokens.estimate() == expected
