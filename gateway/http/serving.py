@@ -4,6 +4,7 @@ authority, on its private app socket (``workers.WorkerPlan``)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 from pathlib import Path
@@ -13,6 +14,7 @@ import uvicorn
 from starlette.types import ASGIApp
 
 from gateway.config import Settings
+from gateway.http.accept import BurstAcceptor
 from gateway.http.limits import ConnectionLimits
 from gateway.http.server import GuardProtocol
 from gateway.http.workers import WorkerPlan
@@ -44,8 +46,39 @@ def server_config(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn
     return uvicorn.Config(app, **options)
 
 
-def build_server(app: ASGIApp, settings: Settings, **overrides: Any) -> uvicorn.Server:
-    return uvicorn.Server(server_config(app, settings, **overrides))
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server, its TCP ports also accepted in bursts (``accept.BurstAcceptor``): libuv takes one new
+    connection a loop turn, and a turn of a loaded gateway takes milliseconds."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.acceptors: list[BurstAcceptor] = []
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if not self.started or not sockets:
+            return
+        config, state, app_state = self.config, self.server_state, self.lifespan.state
+
+        def factory() -> asyncio.Protocol:  # the protocol uvicorn's own startup builds for its servers, as it does
+            return config.http_protocol_class(config=config, server_state=state, app_state=app_state)  # type: ignore[call-arg]
+
+        loop = asyncio.get_running_loop()
+        for sock in sockets:
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                acceptor = BurstAcceptor(sock, factory)
+                acceptor.start(loop)
+                self.acceptors.append(acceptor)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for acceptor in self.acceptors:
+            acceptor.stop()
+        self.acceptors.clear()
+        await super().shutdown(sockets=sockets)
+
+
+def build_server(app: ASGIApp, settings: Settings, **overrides: Any) -> GatewayServer:
+    return GatewayServer(server_config(app, settings, **overrides))
 
 
 def listening_socket(settings: Settings, *, shared: bool) -> socket.socket:
