@@ -69,7 +69,9 @@ MEASURES = [
     Measure("c1_p50_ms", "one chat at a time: p50 (ms)", ".3f", "delta"),
     Measure("c1_p99_ms", "one chat at a time: p99 (ms)", ".3f", "delta"),
     Measure("c64_per_s", "chats/s at 64 concurrent", ".0f"),
+    Measure("c64_p50_ms", "p50 at 64 concurrent (ms)", ".1f", "delta"),
     Measure("c64_p99_ms", "p99 at 64 concurrent (ms)", ".1f", "delta"),
+    Measure("c64_max_ms", "the slowest at 64 concurrent (ms): 64 new connections at once", ".1f", "delta"),
     Measure("health_p50_ms", "/health one at a time: p50 (ms)", ".3f", "delta"),
     Measure("streams_per_s", "streams/s (20 tokens, 16 concurrent)", ".0f"),
     Measure("cpu_us_c1", "target's CPU per chat, c=1 (us)", ".0f"),
@@ -200,7 +202,8 @@ def phase(ctx: Context, name: str, target: Target, engine: Target, page: bool) -
     if name == "c1":
         out |= {"c1_p50_ms": done.p50_ms, "c1_p99_ms": done.p99_ms, "cpu_us_c1": per(cpu)}
     elif name == "c64":
-        out |= {"c64_per_s": done.per_second, "c64_p99_ms": done.p99_ms, "cpu_us_c64": per(cpu),
+        out |= {"c64_per_s": done.per_second, "c64_p50_ms": done.p50_ms, "c64_p99_ms": done.p99_ms,
+                "c64_max_ms": done.max_ms, "cpu_us_c64": per(cpu),
                 "engine_cpu_us_c64": per(eng), "client_cpu_us_c64": per(done.cpu_s)}
     elif name == "health":
         out |= {"health_p50_ms": done.p50_ms}

@@ -5,6 +5,7 @@ target answers it from a cache of identical ones."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import shutil
@@ -54,8 +55,9 @@ request = function()
   return wrk.format(nil, nil, nil, (string.gsub(template, "{n}", tostring(base + counter))))
 end
 done = function(summary, latency, requests)
-  io.write(string.format('{"requests": %d, "seconds": %f, "p50_ms": %f, "p99_ms": %f, "errors": %d}\\n',
+  io.write(string.format('{"requests": %d, "seconds": %f, "p50_ms": %f, "p99_ms": %f, "max_ms": %f, "errors": %d}\\n',
     summary.requests, summary.duration / 1e6, latency:percentile(50) / 1000, latency:percentile(99) / 1000,
+    latency.max / 1000,
     summary.errors.status + summary.errors.connect + summary.errors.read + summary.errors.write
       + summary.errors.timeout))
   if count_header ~= "" then
@@ -76,6 +78,7 @@ class WrkRun:
     errors: int  # non-2xx answers and socket errors
     cpu_s: float  # wrk's own CPU time
     counts: dict[str, int] = field(default_factory=dict)  # answers by a header's prefix, when asked to count
+    max_ms: float = math.nan  # the slowest answer
 
     @property
     def per_second(self) -> float:

@@ -84,3 +84,8 @@ def test_wrks_report_is_its_json_line() -> None:
           "\"errors\": 2}\n"
     got = wrk.parse(out, cpu_s=0.25)
     assert (got.requests, got.per_second, got.p50_ms, got.errors, got.cpu_s) == (500, 100.0, 0.3, 2, 0.25)
+
+
+def test_wrks_slowest_answer_is_read_when_its_report_has_it() -> None:
+    out = "{\"requests\": 500, \"seconds\": 5.0, \"p50_ms\": 0.3, \"p99_ms\": 1.5, \"max_ms\": 640.5, \"errors\": 0}\n"
+    assert wrk.parse(out, cpu_s=0.0).max_ms == 640.5
