@@ -54,6 +54,16 @@ async def turns(n: int = 5) -> None:
         await asyncio.sleep(0)
 
 
+async def close_all(acceptor: BurstAcceptor, clients: list[socket.socket]) -> None:
+    """Stop the acceptor and close both ends of every connection it took."""
+    acceptor.stop()
+    for protocol in Counted.made:
+        protocol.transport.close()
+    for client in clients:
+        client.close()
+    await turns()
+
+
 @pytest.mark.parametrize(("pending", "burst", "taken"), [
     (40, 128, 40),  # every waiting connection at once
     (40, 16, 16),  # at most the burst; the rest at the next readiness
@@ -71,12 +81,7 @@ async def test_one_readiness_takes_the_waiting_connections_up_to_the_burst(
         assert acceptor.accepted == taken
         assert len(Counted.made) == taken  # each handed to the loop with the server's protocol
     finally:
-        acceptor.stop()
-        for protocol in Counted.made:
-            protocol.transport.close()
-        for client in clients:
-            client.close()
-        await turns()
+        await close_all(acceptor, clients)
 
 
 async def test_started_it_takes_a_burst_as_the_socket_is_ready_and_stopped_it_leaves_the_port_open(
@@ -86,18 +91,13 @@ async def test_started_it_takes_a_burst_as_the_socket_is_ready_and_stopped_it_le
     acceptor.start(asyncio.get_running_loop())
     clients = connect(listener, 30)
     try:
-        for _ in range(200):
+        for _ in range(1000):  # the loop's own readiness: turns until it came
             if len(Counted.made) == 30:
                 break
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0)
         assert acceptor.accepted == 30 and len(Counted.made) == 30
     finally:
-        acceptor.stop()
-        for protocol in Counted.made:
-            protocol.transport.close()
-        for client in clients:
-            client.close()
-        await turns()
+        await close_all(acceptor, clients)
     assert listener.fileno() != -1  # the server's own descriptor: still listening
     late = connect(listener, 1)
     conn, _ = listener.accept()
