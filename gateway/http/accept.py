@@ -67,14 +67,14 @@ class BurstAcceptor:
                 return
             conn.setblocking(False)
             self.accepted += 1
-            task: asyncio.Task[object] = loop.create_task(self._open(conn))
+            task: asyncio.Task[object] = loop.create_task(self._open(loop, conn))
             self._opening.add(task)
             task.add_done_callback(self._opening.discard)
 
-    async def _open(self, conn: socket.socket) -> object:
-        assert self._loop is not None
+    async def _open(self, loop: asyncio.AbstractEventLoop, conn: socket.socket) -> object:
+        # The loop it was taken on, passed in: ``stop`` may come before the task runs, and the connection is served.
         try:
-            return await self._loop.connect_accepted_socket(self._factory, conn)
+            return await loop.connect_accepted_socket(self._factory, conn)
         except OSError as exc:  # reset before the loop took it: nothing of it to serve
             log.debug("an accepted connection closed before it was served: %s", exc)
             conn.close()

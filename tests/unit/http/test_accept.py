@@ -135,3 +135,16 @@ async def test_the_gateway_server_answers_a_burst_of_new_connections_on_its_port
     finally:
         await server.shutdown(sockets=[port, private])
     assert server.acceptors == []
+
+
+async def test_a_connection_taken_just_before_the_acceptor_stops_is_still_served(listener: socket.socket) -> None:
+    acceptor = BurstAcceptor(listener, Counted.fresh)
+    clients = connect(listener, 3)
+    try:
+        acceptor._loop = asyncio.get_running_loop()  # taken by hand, then stopped before the loop's next turn
+        acceptor.accept_pending()
+        acceptor.stop()
+        await turns()
+        assert acceptor.accepted == 3 and len(Counted.made) == 3
+    finally:
+        await close_all(acceptor, clients)
