@@ -26,6 +26,7 @@ def tokenizer_dir() -> Path:
     if not (target / "tokenizer.json").is_file():
         from gateway.tools.tinymodel import build_tokenizer
 
+        CACHE.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix="tokenizer-", dir=CACHE))
         build_tokenizer(staging)
         shutil.rmtree(target, ignore_errors=True)

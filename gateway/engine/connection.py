@@ -128,6 +128,8 @@ class Connection(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._unreadable(exc)
             return
+        if not exchange.done:  # (an ended one's sink has had everything: ``end`` hands on what it held)
+            exchange.sink.flush()  # the read's body pieces, handed on together
         if self._complete:
             self._complete = False
             self._finish()
@@ -153,11 +155,14 @@ class Connection(asyncio.Protocol):
 
     # -- reading ----------------------------------------------------------------------------------
     def _feed(self, data: bytes | memoryview) -> None:
+        exchange = self.exchange
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
             self._unreadable(exc)
             return
+        if exchange is not None and not exchange.done:
+            exchange.sink.flush()
         if self._complete:
             self._complete = False
             self._finish()

@@ -213,7 +213,7 @@ class ProgressDetector:
             self._forward(opened=-1)
 
     def stream_moved(self) -> None:
-        """A chunk arrived on one of the engine's streams (called per chunk: a counter, compared on tick)."""
+        """Bytes arrived on one of the engine's streams (called once a read: a counter, compared on tick)."""
         if self._forward is None:
             self._events += 1
         else:

@@ -40,6 +40,8 @@ from gateway.engine.vllm_api.reading import count, stream_usage
 _USAGE_KEY = b',"usage":'
 _FINAL = b'"choices":[]'
 _INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
+_CHOICE = b'"choices":[{"index":'
+_COMPLETION = b'"completion_tokens":'
 _DATA = b"data: "
 _DONE = b"data: [DONE]"
 _CLOSING = (b"event: response.completed\n", b"event: response.incomplete\n", b"event: response.failed\n")
@@ -114,7 +116,7 @@ class StreamUsage:
     taught by this one's usage chunk); None: learned from this stream alone."""
 
     __slots__ = ("_all", "_ask", "_choices", "_ends", "_events", "_fingerprint", "_held", "_per_choice",
-                 "_responses", "_stamps", "generated", "reported")
+                 "_responses", "_stamps", "_sum", "generated", "reported")
 
     def __init__(self, route: str, ask: UsageAsk, fingerprint: Fingerprint | None = None) -> None:
         self._ask = ask
@@ -126,6 +128,7 @@ class StreamUsage:
         self._choices = ask.choices
         self._ends = 0  # the choices that ended so far
         self._per_choice: dict[int, int] = {}
+        self._sum = 0  # the choices' running counts, summed
         self._events = 0  # the fallback's count: data events with choices
         self._held: list[bytes] = []  # ends waiting for the usage chunk right behind them
         self.generated = 0
@@ -140,11 +143,16 @@ class StreamUsage:
             return events
         if self._all:
             for event in events:
-                self._chunk(event)
+                if self._held or self._fast(event) is None:
+                    self._chunk(event)
             return events
         out: list[bytes] = []
         for event in events:
-            out.extend(self._chunk(event))
+            fast = None if self._held else self._fast(event)
+            if fast is not None:
+                out.append(fast)
+            else:
+                out.extend(self._chunk(event))
         if self._held and self._ends < self._choices:
             # Other choices still run: their next text may be an engine step away, and vLLM's stream carries
             # these ends before it. They go now, without the fingerprint no usage chunk has told yet.
@@ -186,11 +194,52 @@ class StreamUsage:
             event = event[:at] + event[end:]
         return self._passing(event)
 
+    def _fast(self, event: bytes) -> bytes | None:
+        """A running chunk as vLLM writes it (``"choices":[{"index":N`` first, a flat usage object of plain
+        digits, ``completion_tokens`` in it), read with ``find`` and slices alone: counted, and returned as it is
+        relayed. None for anything else (the usage chunk, ``[DONE]``, a choice's end to stamp, a nested usage,
+        other spacing), which ``_chunk`` reads; nothing is counted then. At thousands of events a second per
+        core the parse was the relay's largest piece of Python: 4.0 us an event against 1.3 us for this, on one
+        chunk of vLLM's shape (the same in ``_chunk``, which it stands in for: property-tested)."""
+        at = event.rfind(_USAGE_KEY)
+        if at < 0 or not event.startswith(_DATA) or (self._stamps and b'"finish_reason":"' in event):
+            return None
+        start = at + len(_USAGE_KEY)
+        end = event.find(b"}", start)
+        if end < 0 or event.find(b"{", start + 1, end) >= 0:
+            return None
+        key, choice = event.find(_COMPLETION, start, end), event.find(_CHOICE, 0, at)
+        if key < 0 or choice < 0:
+            return None
+        key += len(_COMPLETION)
+        digits = event[key:end]  # vLLM writes it last; else up to the next field
+        if not digits.isdigit():
+            digits = event[key : event.find(b",", key, end)]
+        choice += len(_CHOICE)
+        index = event[choice : event.find(b",", choice, at)]
+        if not (digits.isdigit() and index.isdigit()):
+            return None
+        if not self.reported:  # (``_count``, inline: this runs on every event)
+            i, count = int(index), int(digits)
+            per = self._per_choice
+            self._sum += count - per.get(i, 0)
+            per[i] = count
+            if self._sum > self.generated:
+                self.generated = self._sum
+        return event if self._ask.continuous else event[:at] + event[end + 1 :]
+
     def _running(self, index: int, usage: Any) -> None:
         count = usage.get("completion_tokens") if isinstance(usage, dict) else None
-        if isinstance(count, int) and not isinstance(count, bool) and not self.reported:
+        if isinstance(count, int) and not isinstance(count, bool):
+            self._count(index, count)
+
+    def _count(self, index: int, count: int) -> None:
+        """A choice's running count: the stream's is the sum over its choices (kept as it changes)."""
+        if not self.reported:
+            self._sum += count - self._per_choice.get(index, 0)
             self._per_choice[index] = count
-            self.generated = max(self.generated, sum(self._per_choice.values()))
+            if self._sum > self.generated:
+                self.generated = self._sum
 
     def _final(self, event: bytes, usage: Any) -> list[bytes]:
         count = usage.get("completion_tokens") if isinstance(usage, dict) else None

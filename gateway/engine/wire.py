@@ -45,9 +45,14 @@ class Carrier(Protocol):
 
 
 class Sink(Protocol):
-    """Where an exchange's body goes, as it arrives."""
+    """Where an exchange's body goes, as it arrives: ``body`` for each piece the parser reads out of one read of
+    the socket (an HTTP chunk each: one read may bring many), then ``flush`` once that read is parsed whole, so
+    that a sink hands its reader everything one read brought at once (one write to a client for all the events
+    of one read); ``end`` after the last piece."""
 
     def body(self, data: bytes) -> None: ...
+
+    def flush(self) -> None: ...
 
     def end(self, error: GatewayError | None) -> None: ...
 
@@ -70,7 +75,9 @@ class BufferSink:
         self._size += len(data)
         if self._size > PAUSE_AT and self.exchange is not None:
             self.exchange.pause()
-        self._wake()
+
+    def flush(self) -> None:
+        self._wake()  # once a read, not once a chunk: the reader takes all of them when it runs
 
     def end(self, error: GatewayError | None) -> None:
         self._ended, self._error = True, error
@@ -132,6 +139,7 @@ class Exchange:
             while held._chunks:
                 sink.body(held._chunks.popleft())
             held._size = 0
+            sink.flush()
             if held._ended:
                 sink.end(held._error)
         self.resume()

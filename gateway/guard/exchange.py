@@ -195,8 +195,8 @@ class StreamOut(Protocol):
 
 class EngineStream:
     __slots__ = (
-        "_decoder", "_done", "_error", "_first", "_framer", "_hang", "_out", "_over", "_trace", "_watch", "engine",
-        "outcome", "parts", "reservation", "route", "stream", "t0", "usage",
+        "_decoder", "_done", "_error", "_first", "_framer", "_hang", "_out", "_over", "_pending", "_trace", "_watch",
+        "engine", "outcome", "parts", "reservation", "route", "stream", "t0", "usage",
     )
 
     def __init__(
@@ -213,6 +213,7 @@ class EngineStream:
         self._first = True
         self._over = False
         self._out: StreamOut | None = None
+        self._pending: list[bytes] = []  # the events of the read being parsed, written together at its end
         self._trace: RequestTrace = OFF
         self._done: asyncio.Future[GatewayError | None] | None = None
         self._error: BaseException | None = None  # what broke the stream, for its trace
@@ -237,21 +238,34 @@ class EngineStream:
         try:
             decoder = self._decoder
             events = self._framer.feed(decoder.decode(data, self._framer.limit) if decoder is not None else data)
-            self.engine.progress.stream_moved()
             if not events:
                 return
             if self._first:
                 self._first = False
                 self.parts.metrics.record_ttft(self.route, time.perf_counter() - self.t0)
-            usage = self.usage
-            events = usage.feed(events)
-            self.reservation.observe_output_tokens(usage.generated)
-            if events:
-                self._send(events)
+            self._pending += self.usage.feed(events)
         except GatewayError as exc:
             self._break(exc)
         except BaseException as exc:  # a fault of ours: the stream ends, nothing leaks
             self._fault(exc)
+
+    def flush(self) -> None:
+        """The read is parsed: its events go to the client in one write (vLLM writes each event on its own, but
+        a busy host reads several at once: one write each cost the gateway a system call and the client a
+        wake-up per event), and the engine's count so far teaches the reservation."""
+        if self._over:
+            return
+        self.engine.progress.stream_moved()
+        self.reservation.observe_output_tokens(self.usage.generated)
+        events = self._pending
+        if events:
+            self._pending = []
+            try:
+                self._send(events)
+            except GatewayError as exc:
+                self._break(exc)
+            except BaseException as exc:
+                self._fault(exc)
 
     def end(self, error: GatewayError | None) -> None:
         if self._over:
@@ -263,7 +277,8 @@ class EngineStream:
             decoder = self._decoder
             tail = self._framer.feed(decoder.finish()) if decoder is not None else []
             usage = self.usage
-            events = usage.feed(tail + self._framer.close()) + usage.close()
+            events = self._pending + usage.feed(tail + self._framer.close()) + usage.close()
+            self._pending = []
             self.reservation.observe_output_tokens(usage.generated)
             self.outcome = "ok"
             if events:
@@ -285,7 +300,8 @@ class EngineStream:
     def _break(self, exc: GatewayError) -> None:
         if self.outcome != "ok":  # the engine's own end was whole: only the client was cut
             self.outcome = "cancelled" if exc.code == "client_too_slow" else "error"
-        held = self.usage.close()  # chunks held for a usage chunk that will not come
+        # The read's events not yet written, then the chunks held for a usage chunk that will not come.
+        held, self._pending = self._pending + self.usage.close(), []
         if held and self._out is not None:
             with contextlib.suppress(GatewayError):  # the client is cut anyway; the first error is the one told
                 self._out.send(held)

@@ -127,8 +127,8 @@ class Held:
 class DirectOut(Held):
     """A stream's events written straight to its client's transport."""
 
-    __slots__ = ("_buffered", "_chunked", "_cut", "_cycle", "_held", "_limit", "_transport", "_write", "first_at",
-                 "on_cut")
+    __slots__ = ("_buffered", "_chunked", "_cut", "_cycle", "_held", "_limit", "_noted", "_transport", "_write",
+                 "first_at", "on_cut")
 
     def __init__(self, cycle: Any, limit: int, held: HeldBytes) -> None:
         self._cycle = cycle  # uvicorn's request-response cycle: its transport, its framing, its disconnect
@@ -138,6 +138,7 @@ class DirectOut(Held):
         self._limit = limit
         self._held = held
         self._cut = False
+        self._noted = False  # told to the sum once: from then on every write tells it what waits
         self.first_at: float | None = None  # when the first event was written (perf_counter)
         self.on_cut: Callable[[GatewayError], None] | None = None  # the stream's end, when the bound cuts it
 
@@ -146,17 +147,21 @@ class DirectOut(Held):
             return
         if self.first_at is None:
             self.first_at = time.perf_counter()
-        if self._chunked:
+        if len(events) == 1:
+            data = b"%x\r\n%s\r\n" % (len(events[0]), events[0]) if self._chunked else events[0]
+        elif self._chunked:
             data = b"".join([b"%x\r\n%s\r\n" % (len(e), e) for e in events])
         else:
-            data = events[0] if len(events) == 1 else b"".join(events)
+            data = b"".join(events)
         self._write(data)
         waiting = self._buffered()
         if waiting > self._limit:
             self._cut = True
             self._held.note(self, waiting)  # still held by the transport: counted until it is read or dropped
             raise too_slow(waiting, self._limit)
-        self._held.note(self, waiting)
+        if waiting or self._noted:  # a client that keeps up holds nothing, and is never in the sum
+            self._noted = True
+            self._held.note(self, waiting)
 
     def waiting(self) -> int:
         return 0 if self._transport.is_closing() else int(self._transport.get_write_buffer_size())

@@ -1,5 +1,6 @@
 """An engine's stream without a network, for the relay's tests: its pieces handed to the sink the relay attaches,
-one per turn of the loop (or all at once, as from one large read), then its end or its break."""
+one per turn of the loop, each a read of its own (or all at once, as from one large read), then its end or its
+break."""
 
 from __future__ import annotations
 
@@ -40,7 +41,10 @@ class FakeStream:
                 self.reading.set()
             sink.body(piece)
             if not self.one_read:
+                sink.flush()  # a read of its own, parsed: as the connection does after each read
                 await asyncio.sleep(0)
+        if self.one_read and not self.closed:
+            sink.flush()
         if not self.closed:
             sink.end(self.fail)
         self.ended.set()

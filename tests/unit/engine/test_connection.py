@@ -77,6 +77,50 @@ def split(data: bytes, every: int) -> list[bytes]:
     return [data[i : i + every] for i in range(0, len(data), every)]
 
 
+class RecordingSink:
+    """A sink that records what the connection calls on it, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def body(self, data: bytes) -> None:
+        self.calls.append("body")
+
+    def flush(self) -> None:
+        self.calls.append("flush")
+
+    def end(self, error: object) -> None:
+        self.calls.append("end")
+
+
+STREAM_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+EVENT = b"data: x\n\n"
+CHUNK = b"%x\r\n%s\r\n" % (len(EVENT), EVENT)
+
+
+# (case, the reads after the head, what the sink is told)
+FLUSHES = [
+    ("three chunks in one read: one flush", [CHUNK * 3], ["body", "body", "body", "flush"]),
+    ("a chunk a read: a flush each", [CHUNK, CHUNK], ["body", "flush", "body", "flush"]),
+    ("a chunk split over two reads", [CHUNK[:5], CHUNK[5:]], ["body", "flush", "body", "flush"]),
+    ("the last chunk and the end in one read: the end hands it on", [CHUNK + b"0\r\n\r\n"], ["body", "end"]),
+]
+
+
+@pytest.mark.parametrize(("reads", "calls"), [pytest.param(*f[1:], id=f[0]) for f in FLUSHES])
+async def test_a_sink_is_flushed_once_a_read_after_the_pieces_that_read_brought(
+    reads: list[bytes], calls: list[str]
+) -> None:
+    _, conn, _, exchange = busy_connection()
+    conn.data_received(STREAM_HEAD)
+    await exchange.head
+    sink = RecordingSink()
+    exchange.sink = sink
+    for data in reads:
+        conn.data_received(data)
+    assert sink.calls == calls
+
+
 # (case, the reads, the state after them, released to the pool)
 READS = [
     ("a whole answer in one read", [answer("a")], State.IDLE, 1),

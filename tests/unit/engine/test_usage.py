@@ -9,6 +9,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.engine.usage import EVERYTHING, Fingerprint, StreamUsage, UsageAsk, ask_engine_for_usage
 
@@ -318,3 +320,48 @@ def test_responses_count_deltas_until_the_closing_event_tells_the_engines_figure
     assert meter.generated == 3 and not meter.reported  # a lower bound: an event may carry many tokens
     assert meter.feed([closing]) == [closing]
     assert meter.generated == 150 and meter.reported
+
+
+# -- the bytes-only read of a running chunk stands in for the parse ------------------------------------
+_USAGE_FIELDS = st.fixed_dictionaries(
+    {"prompt_tokens": st.integers(0, 10**6), "completion_tokens": st.integers(0, 10**6)},
+    optional={"total_tokens": st.integers(0, 10**6), "prompt_tokens_details": st.one_of(
+        st.none(), st.fixed_dictionaries({"cached_tokens": st.integers(0, 100)}))},
+)
+
+
+@st.composite
+def running_chunks(draw: st.DrawFn) -> bytes:
+    """Running chunks of vLLM's shape and near it: fields in any order, details nested or not, another spacing,
+    a usage that is not the chunk's last field, a choice's end."""
+    fields = draw(_USAGE_FIELDS)
+    order = draw(st.permutations(list(fields)))
+    spaced = draw(st.booleans())
+    usage_bytes = orjson.dumps({k: fields[k] for k in order})
+    if spaced:
+        usage_bytes = usage_bytes.replace(b":", b": ")
+    finish = draw(st.sampled_from([None, "stop", "length"]))
+    choice = {"index": draw(st.integers(0, 12)), "delta": {"content": draw(st.text(max_size=8))}, "logprobs": None,
+              "finish_reason": finish}
+    tail = draw(st.sampled_from([b"", b',"prompt_token_ids":null,"prompt_text":null']))
+    return HEAD + b',"choices":[' + orjson.dumps(choice) + b'],"usage":' + usage_bytes + tail + b"}\n\n"
+
+
+class ParsedOnly(StreamUsage):
+    """Every chunk through the parse."""
+
+    def _fast(self, event: bytes) -> bytes | None:
+        return None
+
+
+@given(events=st.lists(running_chunks(), min_size=1, max_size=6), ask=st.sampled_from([
+    UsageAsk(final=False, continuous=False, choices=3), UsageAsk(final=True, continuous=False, choices=3),
+    UsageAsk(final=False, continuous=True, choices=3), EVERYTHING,
+]))
+@settings(max_examples=300, deadline=None)
+def test_a_running_chunk_read_with_bytes_alone_is_relayed_and_counted_as_the_parse_does(
+    events: list[bytes], ask: UsageAsk
+) -> None:
+    fast, parsed = StreamUsage("chat", ask, Fingerprint()), ParsedOnly("chat", ask, Fingerprint())
+    assert fast.feed(events) + fast.close() == parsed.feed(events) + parsed.close()
+    assert (fast.generated, fast.reported) == (parsed.generated, parsed.reported)

@@ -11,6 +11,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
+import pytest
 
 from gateway.config import Settings
 from gateway.engine.engine import Engine
@@ -20,7 +21,7 @@ from gateway.guard.context import Booking, RequestContext
 from gateway.guard.exchange import Reply
 from gateway.guard.parts import Parts
 from gateway.http.relay import StreamAnswer
-from gateway.http.stream_out import Held, HeldBytes
+from gateway.http.stream_out import CONNECTION, Held, HeldBytes
 from gateway.metrics import Metrics
 from gateway.observe.tracing import OFF
 from tests.support.fake_stream import FakeReservation, FakeStream, FakeUpstream
@@ -98,6 +99,50 @@ async def test_many_events_from_one_read_past_the_bound_reach_a_client_that_read
     task, _ = await started(stream, client, limit=1000)
     await asyncio.wait_for(task, 2)
     assert client.got == EVENTS  # the writer took them before anything was cut
+
+
+class DirectClient:
+    """The gateway's own server's side of a stream: the client's transport, written to straight from the engine's
+    reads (``stream_out.DirectOut``), recording each write."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.transport = self
+        self.chunked_encoding = False
+        self.disconnected = False
+
+    # the transport
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
+
+    # the protocol
+    def on_lost(self, callback: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("one_read", "writes"), [
+    pytest.param(True, 1, id="the events of one read: one write"),
+    pytest.param(False, 6, id="each event a read of its own: a write each"),
+])  # fmt: skip
+async def test_a_direct_stream_writes_the_events_of_one_read_in_one_write(one_read: bool, writes: int) -> None:
+    stream, client = FakeStream(EVENTS[:6], one_read=one_read), DirectClient()
+    parts = Parts(Settings(), Metrics(), Engine(FakeUpstream(stream), None, None), None)  # type: ignore[arg-type]
+    answer: AsyncGenerator[Reply, None] = exchange.exchange_with_engine(
+        parts, RequestContext("r1", "chat", "/v1/chat/completions", {}), b"{}", Booking(1, 1, 1, stream=True),
+        FakeReservation(),  # type: ignore[arg-type]
+    )
+    head = await anext(answer)
+    assert head.stream is not None
+    scope = {**SCOPE, "extensions": {CONNECTION: (client, client)}}
+    await asyncio.wait_for(StreamAnswer(answer, head.stream, {}, HeldBytes(1 << 30), OFF)(scope, Client(True).receive,
+                                                                                             Client(True).send), 2)
+    assert len(client.writes) == writes and b"".join(client.writes) == b"".join(EVENTS[:6])
 
 
 async def test_one_event_larger_than_the_bound_reaches_a_client_that_reads() -> None:
