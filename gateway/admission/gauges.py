@@ -1,5 +1,5 @@
-"""The admission gauges that change with every request (committed blocks, sharing, queue depth), set only when
-their value changed: they are published on every admission and release."""
+"""The admission gauges that change with every request (committed blocks, sharing, queue depth), set when
+``/metrics`` is read (``Admission.publish``), and then only those whose value changed."""
 
 from __future__ import annotations
 

@@ -82,6 +82,12 @@ class Rig:
         await self.view.refresh()
 
     def count(self, name: str, **labels: str) -> float:
+        """A sample as ``/metrics`` shows it: the admission's gauges are published as it is read."""
+        self.adm.publish()
+        return self.sample(name, **labels)
+
+    def sample(self, name: str, **labels: str) -> float:
+        """A sample as the registry holds it now, nothing published first."""
         return self.metrics.registry.get_sample_value(name, labels) or 0.0
 
     def assert_drained(self) -> None:

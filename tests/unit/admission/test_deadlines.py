@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from gateway import errors
 from gateway.admission import Reservation
-from gateway.admission.deadlines import MIN_SAMPLES, QUANTILE, WINDOW_SECONDS, Deadlines, FirstTokens
+from gateway.admission.deadlines import (
+    MIN_SAMPLES,
+    QUANTILE,
+    UNQUEUED_SAMPLES,
+    WINDOW_SECONDS,
+    Deadlines,
+    FirstTokens,
+)
 from gateway.http.errors import error_headers, status_and_type
 from tests.unit.admission.rig import BS, Rig, enter, settle
 from tests.unit.admission.test_forecast_shed import finish, steady
@@ -268,3 +275,17 @@ def test_the_estimate_is_the_quantile_of_the_samples_in_the_window_whatever_come
         at = min(len(window) - 1, math.ceil(QUANTILE * len(window)) - 1)
         expected = window[at] if len(window) >= MIN_SAMPLES else None
         assert tokens.estimate() == expected
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(-1, 30, allow_nan=False), st.booleans()), max_size=3 * UNQUEUED_SAMPLES))
+def test_the_unhurried_estimate_is_the_quantile_of_the_last_unqueued_samples(steps: list[tuple[float, bool]]) -> None:
+    tokens = FirstTokens(lambda: 0.0)
+    unqueued: list[float] = []
+    for seconds, queued in steps:
+        tokens.add(seconds, queued=queued)
+        if not queued:
+            unqueued.append(max(0.0, seconds))
+        last = sorted(unqueued[-UNQUEUED_SAMPLES:])
+        expected = last[min(len(last) - 1, math.ceil(QUANTILE * len(last)) - 1)] if len(last) >= MIN_SAMPLES else None
+        assert tokens.unqueued() == expected
