@@ -199,8 +199,8 @@ class StreamUsage:
         digits, ``completion_tokens`` in it), read with ``find`` and slices alone: counted, and returned as it is
         relayed. None for anything else (the usage chunk, ``[DONE]``, a choice's end to stamp, a nested usage,
         other spacing), which ``_chunk`` reads; nothing is counted then. At thousands of events a second per
-        core the parse was the relay's largest piece of Python: 4.0 us an event against 1.3 us for this, on one
-        chunk of vLLM's shape (the same in ``_chunk``, which it stands in for: property-tested)."""
+        core the parse was the relay's largest piece of Python: the usage step took 4.0 us an event with it and
+        1.8 us with this, on one chunk of vLLM's shape (the two readings agree: property-tested)."""
         at = event.rfind(_USAGE_KEY)
         if at < 0 or not event.startswith(_DATA) or (self._stamps and b'"finish_reason":"' in event):
             return None

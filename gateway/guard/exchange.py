@@ -195,8 +195,8 @@ class StreamOut(Protocol):
 
 class EngineStream:
     __slots__ = (
-        "_decoder", "_done", "_error", "_first", "_framer", "_hang", "_out", "_over", "_pending", "_trace", "_watch",
-        "engine", "outcome", "parts", "reservation", "route", "stream", "t0", "usage",
+        "_arrived", "_counted", "_decoder", "_done", "_error", "_first", "_framer", "_hang", "_out", "_over",
+        "_pending", "_trace", "_watch", "engine", "outcome", "parts", "reservation", "route", "stream", "t0", "usage",
     )
 
     def __init__(
@@ -214,6 +214,8 @@ class EngineStream:
         self._over = False
         self._out: StreamOut | None = None
         self._pending: list[bytes] = []  # the events of the read being parsed, written together at its end
+        self._arrived = False  # bytes came in the read being parsed (the engine moved)
+        self._counted = False  # ... and whole events, whose counts teach the reservation
         self._trace: RequestTrace = OFF
         self._done: asyncio.Future[GatewayError | None] | None = None
         self._error: BaseException | None = None  # what broke the stream, for its trace
@@ -235,6 +237,7 @@ class EngineStream:
     def body(self, data: bytes) -> None:
         if self._over:
             return
+        self._arrived = True
         try:
             decoder = self._decoder
             events = self._framer.feed(decoder.decode(data, self._framer.limit) if decoder is not None else data)
@@ -244,6 +247,7 @@ class EngineStream:
                 self._first = False
                 self.parts.metrics.record_ttft(self.route, time.perf_counter() - self.t0)
             self._pending += self.usage.feed(events)
+            self._counted = True
         except GatewayError as exc:
             self._break(exc)
         except BaseException as exc:  # a fault of ours: the stream ends, nothing leaks
@@ -252,11 +256,16 @@ class EngineStream:
     def flush(self) -> None:
         """The read is parsed: its events go to the client in one write (vLLM writes each event on its own, but
         a busy host reads several at once: one write each cost the gateway a system call and the client a
-        wake-up per event), and the engine's count so far teaches the reservation."""
-        if self._over:
+        wake-up per event), and the engine's count so far teaches the reservation. Called with nothing read (a
+        stream attached before its first bytes), it does nothing: a head is no movement of the engine's, and a
+        request not yet seen generating is not counted as running."""
+        if self._over or not self._arrived:
             return
+        self._arrived = False
         self.engine.progress.stream_moved()
-        self.reservation.observe_output_tokens(self.usage.generated)
+        if self._counted:
+            self._counted = False
+            self.reservation.observe_output_tokens(self.usage.generated)
         events = self._pending
         if events:
             self._pending = []

@@ -15,6 +15,7 @@ import pytest
 
 from gateway.config import Settings
 from gateway.engine.engine import Engine
+from gateway.engine.wire import Sink
 from gateway.errors import GatewayError, UpstreamUnavailable
 from gateway.guard import exchange
 from gateway.guard.context import Booking, RequestContext
@@ -143,6 +144,45 @@ async def test_a_direct_stream_writes_the_events_of_one_read_in_one_write(one_re
     await asyncio.wait_for(StreamAnswer(answer, head.stream, {}, HeldBytes(1 << 30), OFF)(scope, Client(True).receive,
                                                                                              Client(True).send), 2)
     assert len(client.writes) == writes and b"".join(client.writes) == b"".join(EVENTS[:6])
+
+
+class HeldUntilRead(FakeStream):
+    """An engine stream whose head came before any of its bytes (vLLM sends the head before the first token):
+    attached, it has nothing to hand over yet, as the connection's exchange flushes then; ``read`` delivers one
+    read."""
+
+    def attach(self, sink: Sink) -> None:
+        self.sink = sink
+        sink.flush()
+
+    def deliver(self, *events: bytes) -> None:
+        for event in events:
+            self.sink.body(event)
+        self.sink.flush()
+
+
+async def test_a_stream_attached_before_its_first_bytes_is_neither_movement_nor_progress() -> None:
+    stream, client, reservation = HeldUntilRead([]), DirectClient(), FakeReservation()
+    engine = Engine(FakeUpstream(stream), None, None)  # type: ignore[arg-type]
+    parts = Parts(Settings(), Metrics(), engine, None)
+    answer: AsyncGenerator[Reply, None] = exchange.exchange_with_engine(
+        parts, RequestContext("r1", "chat", "/v1/chat/completions", {}), b"{}", Booking(1, 1, 1, stream=True),
+        reservation,  # type: ignore[arg-type]
+    )
+    head = await anext(answer)
+    assert head.stream is not None
+    scope = {**SCOPE, "extensions": {CONNECTION: (client, client)}}
+    before = engine.progress._events
+    task = asyncio.create_task(StreamAnswer(answer, head.stream, {}, HeldBytes(1 << 30), OFF)(
+        scope, Client(True).receive, Client(True).send))
+    await asyncio.sleep(0)
+    # A frozen engine's API server still sends heads: they never say it moved.
+    assert (engine.progress._events, reservation.observed, client.writes) == (before, [], [])
+    stream.deliver(EVENTS[0])
+    assert (engine.progress._events, reservation.observed, client.writes) == (before + 1, [0], [EVENTS[0]])
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 async def test_one_event_larger_than_the_bound_reaches_a_client_that_reads() -> None:
