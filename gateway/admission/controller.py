@@ -188,8 +188,8 @@ class Admission:
         they cost each request two passes over the books and three gauges' locks, and each snapshot a projection
         over every request in flight (~3% of a loaded gateway's loop), for values nobody read until the next
         scrape."""
-        self._gauges.publish_load(self._sites, self._queue.depth)  # first: ``publish_kv`` notes the committed total
         self._gauges.publish_kv(self._sites)
+        self._gauges.publish_load(self._sites, self._queue.depth)
         self._sites.engine_kv.publish_freshness()
         self._headroom.publish(self.budget_blocks())
 

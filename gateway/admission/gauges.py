@@ -15,10 +15,6 @@ class LoadGauges:
         self._committed: int | None = None
         self._depth: dict[int, int] | None = None
 
-    def committed_set(self, committed: int) -> None:
-        """Note a committed total published elsewhere (with the other KV gauges)."""
-        self._committed = committed
-
     def publish(self, *, committed: int, logical: int, shared: int, depth: Mapping[int, int]) -> None:
         if committed != self._committed:
             self._metrics.kv_committed.set(committed)
@@ -42,7 +38,6 @@ class LoadGauges:
             committed=sites.committed, live_used=total(live for _, live, _, _ in loads),
             admit_limit=sum(limit for _, _, _, limit in loads),
         )
-        self.committed_set(sites.committed)
         return True
 
     def publish_load(self, sites: Sites, depth: Mapping[int, int]) -> None:

@@ -219,13 +219,7 @@ class StreamUsage:
         index = event[choice : event.find(b",", choice, at)]
         if not (digits.isdigit() and index.isdigit()):
             return None
-        if not self.reported:  # (``_count``, inline: this runs on every event)
-            i, count = int(index), int(digits)
-            per = self._per_choice
-            self._sum += count - per.get(i, 0)
-            per[i] = count
-            if self._sum > self.generated:
-                self.generated = self._sum
+        self._count(int(index), int(digits))
         return event if self._ask.continuous else event[:at] + event[end + 1 :]
 
     def _running(self, index: int, usage: Any) -> None:
