@@ -15,9 +15,10 @@ character that is not printable, ``json`` the Unicode line breaks JSON allows ra
 that log shippers splitting on Unicode line breaks would cut a record at.
 
 Unless logging already routes that logger, ``install_default_handler`` writes it to standard output through a
-queue: the request path only puts the record on the queue, and a thread writes it, so a slow reader of the
-gateway's output (a full pipe to a log shipper) never holds the event loop. The writer thread formats and redacts
-the records too: the caller pays a put. Measured by ``python -m bench run access-log`` (each record's cost to the
+thread: the request path only appends the record to a batch that the loop hands to the thread every
+``HAND_OFF_EVERY`` seconds (a thread woken for each record cost more than the record), and the thread writes it,
+so a slow reader of the gateway's output (a full pipe to a log shipper) never holds the event loop. The writer
+thread formats and redacts the records too: the caller pays an append. Measured by ``python -m bench run access-log`` (each record's cost to the
 caller, until written, and in the process's CPU; the writer's work still holds the interpreter's lock the loop
 needs, so the bound matters as much as the thread). With the line formatted on the caller, 3 runs each on the
 shared 2-core test machine: before the bound (load 2-3), an ordinary record 80-147 us, an 8 MiB model name
@@ -30,6 +31,7 @@ direct handler was still blocked in its write after 2 s.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -190,33 +192,70 @@ class AccessLog:
                     self._logger.info("%s", line)
 
 
-class DefaultHandler:
-    """The access log's default writer: records go on a queue as they are (the loop pays a put, ~1 us), and a
-    thread formats, redacts (``gateway/redact.py``: the process's secrets) and writes them, a batch per write.
-    Through Python logging the loop paid ~100 us a record (the record, the caller's frame looked up, a copy for
-    the queue, the redaction's regexes), measured with ``python -m bench run access-log``. ``stop`` writes what is
-    still queued."""
+# Records put on the event loop reach the writer's thread in batches: the first of a batch starts a timer, and the
+# batch is handed over when it fires (or at once when ``HAND_OFF_AT`` records wait). A thread woken for each record
+# cost the process far more than the record: at 40 short streams a second (8 at a time, 10 tokens each, gateway on
+# one core) the access log took 440-690 us of the process's CPU a request (2,665-3,098 us a stream with
+# ``--access-log off``, 3,265-3,539 us with it, three turns each), of which its thread's own work was ~140 us: the
+# rest was the wake-ups and the interpreter's lock changing hands, on every request. A line is written at most this
+# late; ``stop`` writes what waits.
+HAND_OFF_EVERY = 0.1
+HAND_OFF_AT = 256
 
-    def __init__(self, fmt: AccessLogFormat, stream: LineSink) -> None:
+
+class DefaultHandler:
+    """The access log's default writer: records go on a list as they are (the loop pays an append), handed to a
+    thread in batches (``HAND_OFF_EVERY``), and the thread formats, redacts (``gateway/redact.py``: the process's
+    secrets) and writes them, a batch per write. Through Python logging the loop paid ~100 us a record (the
+    record, the caller's frame looked up, a copy for the queue, the redaction's regexes), measured with ``python -m
+    bench run access-log``. A record put off the event loop (or on another loop than the first) goes to the thread
+    at once. ``stop`` writes what is still waiting."""
+
+    def __init__(self, fmt: AccessLogFormat, stream: LineSink, *, every: float = HAND_OFF_EVERY) -> None:
         self._format = format_json if fmt == "json" else format_text
         self._stream = stream
-        # A record, lines already formatted (a worker's), or None: stop.
-        self._records: queue.SimpleQueue[AccessRecord | str | None] = queue.SimpleQueue()
+        self._every = every
+        # A batch of records and lines already formatted (a worker's), or None: stop.
+        self._records: queue.SimpleQueue[list[AccessRecord | str] | None] = queue.SimpleQueue()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop whose records are batched
+        self._waiting: list[AccessRecord | str] = []  # put on that loop, not yet handed over
+        self._timer: asyncio.TimerHandle | None = None
         self._thread = threading.Thread(target=self._write, name="access-log", daemon=True)
         self._thread.start()
 
     def put(self, record: AccessRecord | str) -> None:
-        self._records.put(record)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or (self._loop is not None and loop is not self._loop):
+            self._records.put([record])
+            return
+        self._loop = loop
+        waiting = self._waiting
+        waiting.append(record)
+        if len(waiting) >= HAND_OFF_AT:
+            self._hand_off()
+        elif self._timer is None:
+            self._timer = loop.call_later(self._every, self._hand_off)
+
+    def _hand_off(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+        if self._waiting:
+            batch, self._waiting = self._waiting, []
+            self._records.put(batch)
 
     def _write(self) -> None:
         records = self._records
         while True:
-            batch = [records.get()]
+            batches = [records.get()]
             with contextlib.suppress(queue.Empty):
-                while len(batch) < 256:
-                    batch.append(records.get_nowait())
-            stop = None in batch
-            lines = [r if isinstance(r, str) else self._line(r) for r in batch if r is not None]
+                while len(batches) < 256:
+                    batches.append(records.get_nowait())
+            stop = None in batches
+            lines = [r if isinstance(r, str) else self._line(r) for batch in batches if batch for r in batch]
             if lines:
                 try:
                     self._stream.write("".join(lines))
@@ -236,9 +275,11 @@ class DefaultHandler:
         return (redactor.redact_within(line, MESSAGE_CHARS) if redactor is not None else line) + "\n"
 
     def stop(self) -> None:
+        """Write what waits and end the thread; called on the loop's thread (during or after its run)."""
         global _direct
         if _direct is self:
             _direct = None
+        self._hand_off()
         self._records.put(None)
         self._thread.join(10)
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import re
 import shlex
+import threading
 import time
 from dataclasses import replace
 
@@ -16,8 +18,10 @@ from gateway.clip import FIELD_CHARS, clip, digest
 from gateway.observe.access_log import (
     FIELDS,
     LOGGER_NAME,
+    HAND_OFF_AT,
     AccessLog,
     AccessRecord,
+    DefaultHandler,
     format_json,
     format_text,
     install_default_handler,
@@ -127,6 +131,79 @@ def test_a_workers_lines_go_to_the_logger_one_record_a_line_where_logging_routes
     AccessLog("text").write_lines("request_id=w-1\nrequest_id=w-2\n")
     AccessLog("off").write_lines("request_id=w-3\n")
     assert [r.getMessage() for r in caplog.records if r.name == LOGGER_NAME] == ["request_id=w-1", "request_id=w-2"]
+
+
+class Writes:
+    """A line sink that keeps each write apart and says when one came."""
+
+    def __init__(self) -> None:
+        self.writes: list[str] = []
+        self.came = threading.Event()
+
+    def write(self, text: str) -> None:
+        self.writes.append(text)
+        self.came.set()
+
+    def flush(self) -> None:
+        pass
+
+    async def next_write(self) -> None:
+        assert await asyncio.to_thread(self.came.wait, 10), "nothing was written"
+        self.came.clear()
+
+
+async def test_records_put_on_the_loop_wait_there_and_reach_the_writer_in_one_write() -> None:
+    sink = Writes()
+    handler = DefaultHandler("text", sink, every=3600)
+    lines = [format_text(replace(RECORD, request_id=f"req-{n}")) + "\n" for n in range(3)]
+    for n in range(3):
+        handler.put(replace(RECORD, request_id=f"req-{n}"))
+    assert not await asyncio.to_thread(sink.came.wait, 0.2)  # the thread was not woken for each of them
+    handler.stop()
+    assert sink.writes == ["".join(lines)]
+
+
+async def test_what_waits_on_the_loop_is_handed_over_when_the_timer_fires() -> None:
+    sink = Writes()
+    handler = DefaultHandler("text", sink, every=0.01)
+    try:
+        handler.put(RECORD)
+        await sink.next_write()
+        assert sink.writes == [format_text(RECORD) + "\n"]
+    finally:
+        handler.stop()
+
+
+async def test_a_full_batch_is_handed_over_at_once_without_waiting_for_the_timer() -> None:
+    sink = Writes()
+    handler = DefaultHandler("text", sink, every=3600)
+    try:
+        for _ in range(HAND_OFF_AT):
+            handler.put(RECORD)
+        await sink.next_write()
+        assert sink.writes == [(format_text(RECORD) + "\n") * HAND_OFF_AT]
+    finally:
+        handler.stop()
+
+
+async def test_stop_writes_what_still_waits_on_the_loop() -> None:
+    sink = Writes()
+    handler = DefaultHandler("json", sink, every=3600)
+    handler.put(RECORD)
+    handler.put("request_id=w-1\n")
+    handler.stop()
+    assert "".join(sink.writes) == format_json(RECORD) + "\nrequest_id=w-1\n"
+
+
+def test_a_record_put_off_the_loop_goes_to_the_writer_at_once() -> None:
+    sink = Writes()
+    handler = DefaultHandler("text", sink, every=3600)
+    try:
+        handler.put(RECORD)
+        assert sink.came.wait(10)
+        assert sink.writes == [format_text(RECORD) + "\n"]
+    finally:
+        handler.stop()
 
 
 def test_off_installs_nothing() -> None:
