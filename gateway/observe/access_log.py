@@ -16,17 +16,17 @@ that log shippers splitting on Unicode line breaks would cut a record at.
 
 Unless logging already routes that logger, ``install_default_handler`` writes it to standard output through a
 thread: the request path only appends the record to a batch that the loop hands to the thread every
-``HAND_OFF_EVERY`` seconds (a thread woken for each record cost more than the record), and the thread writes it,
-so a slow reader of the gateway's output (a full pipe to a log shipper) never holds the event loop. The writer
-thread formats and redacts the records too: the caller pays an append. Measured by ``python -m bench run access-log`` (each record's cost to the
-caller, until written, and in the process's CPU; the writer's work still holds the interpreter's lock the loop
-needs, so the bound matters as much as the thread). With the line formatted on the caller, 3 runs each on the
-shared 2-core test machine: before the bound (load 2-3), an ordinary record 80-147 us, an 8 MiB model name
-1.3-1.6 s (text) and 0.32-0.37 s (json); with it (load 5-9), an ordinary record 95-200 us, a 1 MiB or 8 MiB model
-name 130-740 us in either format. Formatted by the writer thread (2026-11-28, at 6cf7cd5, load 0.5): the caller
-0.3-0.5 us an ordinary record and 38-208 us a 1 MiB or 8 MiB one, 46-61 us of the process's CPU an ordinary record,
-125-249 us a huge one. With the pipe's reader stalled, 2,000 queued records took 86 ms on the caller, while the
-direct handler was still blocked in its write after 2 s.
+``HAND_OFF_EVERY`` seconds (a thread woken for each record cost more than the record), and the thread writes it, so
+a slow reader of the gateway's output (a full pipe to a log shipper) never holds the event loop. The writer thread
+formats and redacts the records too: the caller pays an append. Measured by ``python -m bench run access-log`` (each
+record's cost to the caller, until written, and in the process's CPU; the writer's work still holds the
+interpreter's lock the loop needs, so the bound matters as much as the thread). With the line formatted on the
+caller, 3 runs each on the shared 2-core test machine: before the bound (load 2-3), an ordinary record 80-147 us, an
+8 MiB model name 1.3-1.6 s (text) and 0.32-0.37 s (json); with it (load 5-9), an ordinary record 95-200 us, a 1 MiB
+or 8 MiB model name 130-740 us in either format. Formatted by the writer thread (2026-11-28, at 6cf7cd5, load 0.5):
+the caller 0.3-0.5 us an ordinary record and 38-208 us a 1 MiB or 8 MiB one, 46-61 us of the process's CPU an
+ordinary record, 125-249 us a huge one. With the pipe's reader stalled, 2,000 queued records took 86 ms on the
+caller, while the direct handler was still blocked in its write after 2 s.
 """
 
 from __future__ import annotations
@@ -201,6 +201,11 @@ class AccessLog:
 # late; ``stop`` writes what waits.
 HAND_OFF_EVERY = 0.1
 HAND_OFF_AT = 256
+# The thread formats a batch holding the interpreter's lock, which the loop waits for; left to the interpreter, the
+# loop gets it back after up to 5 ms (``sys.getswitchinterval``). A batch of 0.1 s of short chats (~140 records,
+# ~40 us each) then held the loop up to 5 ms at a time: one chat at a time, p99 2.85-3.13 ms against 1.40-2.62
+# before the batching (three turns each). Every ``YIELD_EVERY`` records it lets the loop take the lock.
+YIELD_EVERY = 8
 
 
 class DefaultHandler:
@@ -255,7 +260,12 @@ class DefaultHandler:
                 while len(batches) < 256:
                     batches.append(records.get_nowait())
             stop = None in batches
-            lines = [r if isinstance(r, str) else self._line(r) for batch in batches if batch for r in batch]
+            lines: list[str] = []
+            for batch in batches:
+                for r in batch or ():
+                    lines.append(r if isinstance(r, str) else self._line(r))
+                    if len(lines) % YIELD_EVERY == 0:
+                        time.sleep(0)  # the interpreter's lock back to the loop, if it waits for it
             if lines:
                 try:
                     self._stream.write("".join(lines))

@@ -17,8 +17,8 @@ import pytest
 from gateway.clip import FIELD_CHARS, clip, digest
 from gateway.observe.access_log import (
     FIELDS,
-    LOGGER_NAME,
     HAND_OFF_AT,
+    LOGGER_NAME,
     AccessLog,
     AccessRecord,
     DefaultHandler,
