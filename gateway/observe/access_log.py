@@ -204,8 +204,10 @@ HAND_OFF_AT = 256
 # The thread formats a batch holding the interpreter's lock, which the loop waits for; left to the interpreter, the
 # loop gets it back after up to 5 ms (``sys.getswitchinterval``). A batch of 0.1 s of short chats (~140 records,
 # ~40 us each) then held the loop up to 5 ms at a time: one chat at a time, p99 2.85-3.13 ms against 1.40-2.62
-# before the batching (three turns each). Every ``YIELD_EVERY`` records it lets the loop take the lock.
-YIELD_EVERY = 8
+# before the batching (three turns each). After ``YIELD_AFTER`` seconds of formatting the thread lets the loop take
+# the lock. Not after every few records: every hand-over costs both threads their caches, and yielding every 8
+# records cost 1.14x the CPU a chat at 64 concurrent (five turns).
+YIELD_AFTER = 0.001
 
 
 class DefaultHandler:
@@ -261,11 +263,13 @@ class DefaultHandler:
                     batches.append(records.get_nowait())
             stop = None in batches
             lines: list[str] = []
+            held_since = time.perf_counter()
             for batch in batches:
                 for r in batch or ():
                     lines.append(r if isinstance(r, str) else self._line(r))
-                    if len(lines) % YIELD_EVERY == 0:
+                    if time.perf_counter() - held_since > YIELD_AFTER:
                         time.sleep(0)  # the interpreter's lock back to the loop, if it waits for it
+                        held_since = time.perf_counter()
             if lines:
                 try:
                     self._stream.write("".join(lines))
