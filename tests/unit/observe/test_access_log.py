@@ -16,6 +16,7 @@ import pytest
 
 from gateway.clip import FIELD_CHARS, clip, digest
 from gateway.observe.access_log import (
+    _PLAIN,
     FIELDS,
     HAND_OFF_AT,
     LOGGER_NAME,
@@ -62,6 +63,12 @@ def test_text_is_key_value_pairs_with_every_key_in_order_and_quoting() -> None:
 ])
 def test_a_text_value_is_quoted_when_it_is_not_plain(value: str | None, written: str) -> None:
     assert quote(value) == written
+
+
+@pytest.mark.parametrize("value", [0, -3, 10**30, 1.5, -0.25, 1e30, -1e-7, float("inf"), float("-inf"), float("nan")])
+def test_a_number_is_written_as_python_writes_it_and_never_quoted(value: float) -> None:
+    assert quote(value) == str(value)
+    assert _PLAIN.fullmatch(str(value))  # as the plain test would have found it
 
 
 def test_a_value_can_never_start_a_line_or_a_field_of_its_own() -> None:
