@@ -196,19 +196,18 @@ class AccessLog:
 
 # Records put on the event loop reach the writer's thread in batches: the first of a batch starts a timer, and the
 # batch is handed over when it fires (or at once when ``HAND_OFF_AT`` records wait). A thread woken for each record
-# cost the process far more than the record: at 40 short streams a second (8 at a time, 10 tokens each, gateway on
-# one core) the access log took 440-690 us of the process's CPU a request (2,665-3,098 us a stream with
-# ``--access-log off``, 3,265-3,539 us with it, three turns each), of which its thread's own work was ~140 us: the
-# rest was the wake-ups and the interpreter's lock changing hands, on every request. A line is written at most this
-# late; ``stop`` writes what waits.
+# paid a wake-up and two hand-overs of the interpreter's lock for each: at 40 short streams a second (8 at a time, 10
+# tokens each, the gateway on one core) over 440 streams, the thread's CPU 60-70 ms before and 10-20 ms with the
+# batches, the process's context switches 5,345-5,801 and 3,398-3,958 (three turns each; the process's whole CPU
+# within its spread). A line is written at most this late; ``stop`` writes what waits.
 HAND_OFF_EVERY = 0.1
 HAND_OFF_AT = 256
 # The thread formats a batch holding the interpreter's lock, which the loop waits for; left to the interpreter, the
 # loop gets it back after up to 5 ms (``sys.getswitchinterval``). A batch of 0.1 s of short chats (~140 records,
-# ~40 us each) then held the loop up to 5 ms at a time: one chat at a time, p99 2.85-3.13 ms against 1.40-2.62
-# before the batching (three turns each). After ``YIELD_AFTER`` seconds of formatting the thread lets the loop take
-# the lock. Not after every few records: every hand-over costs both threads their caches, and yielding every 8
-# records cost 1.14x the CPU a chat at 64 concurrent (five turns).
+# tens of us each in the thread) then held the loop up to 5 ms at a time: one chat at a time, p99 2.85-3.13 ms
+# against 1.40-2.62 before the batching (three turns each). After ``YIELD_AFTER`` seconds of formatting the thread
+# lets the loop take the lock. Not after every few records: every hand-over costs both threads their caches, and
+# yielding every 8 records cost 1.14x the CPU a chat at 64 concurrent (five turns).
 YIELD_AFTER = 0.001
 
 
