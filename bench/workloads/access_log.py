@@ -1,6 +1,6 @@
 """What one access-log record costs the caller (the event loop): ``AccessLog.write`` as ``vllm-guard serve`` runs
-it, with the process-wide log redaction installed and the default handler's queue and writer thread, writing to a
-pipe that a thread reads at once.
+it, with the process-wide log redaction installed and the default handler's batches and writer thread, on an event
+loop, writing to a pipe that a thread reads at once.
 
 Run by ``python -m bench run access-log``. Three records: an ordinary one, and the same refused with a model name
 of 1 MiB and of 8 MiB (a client's, under the default ``--max-body-bytes``): every field is cut to a bounded form
@@ -9,6 +9,7 @@ before it is written, so the huge ones should cost about what the ordinary one d
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import threading
@@ -78,19 +79,26 @@ def _serving_log(fmt: AccessLogFormat) -> Iterator[AccessLog]:
         undo()
 
 
+async def _write_on_a_loop(fmt: AccessLogFormat, record: AccessRecord, count: int, wall0: float) -> float:
+    """``count`` records written on an event loop, as the gateway writes them (batched there for the writer's
+    thread); the caller's seconds since ``wall0``."""
+    with _serving_log(fmt) as log:
+        for _ in range(count):
+            log.write(record)
+        return time.perf_counter() - wall0
+
+
 def caller_cost(fmt: AccessLogFormat, scale: float = 1.0, pause_s: float = 0.2) -> dict[str, float]:
-    """Each case's cost per record, in microseconds: the caller's time (what the event loop pays: a put on the
-    writer's queue), the wall time until every record was written (the writer thread formats, redacts and writes
-    them), and the process's CPU over that time (every thread's: the writer's work holds the interpreter's lock
-    the loop needs). Each case gets a fresh writer; the machine settles between cases."""
+    """Each case's cost per record, in microseconds: the caller's time (what the event loop pays: an append to
+    the batch handed to the writer's thread), the wall time until every record was written (the writer thread
+    formats, redacts and writes them), and the process's CPU over that time (every thread's: the writer's work
+    holds the interpreter's lock the loop needs). Each case gets a fresh writer; the machine settles between
+    cases."""
     figures: dict[str, float] = {}
     for case in cases(scale):
         wall0, cpu0 = time.perf_counter(), time.process_time()
-        with _serving_log(fmt) as log:
-            for _ in range(case.count):
-                log.write(case.record)
-            caller = time.perf_counter() - wall0
-        # Leaving the block stopped the writer once it had written everything queued.
+        caller = asyncio.run(_write_on_a_loop(fmt, case.record, case.count, wall0))
+        # Leaving the block stopped the writer once it had written everything waiting.
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         stem = case.key.removesuffix("_us")
         figures |= {f"{stem}_us": caller / case.count * 1e6, f"{stem}_written_us": wall / case.count * 1e6,
