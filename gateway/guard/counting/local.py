@@ -1,9 +1,9 @@
 """Prompt tokens with the model's own tokenizer, exactly as vLLM 0.32 computes them, without blocking the event loop.
 
-Chat requests are rendered the way vLLM renders them (``chatformat`` reproduces its message handling; the
-tokenizer's own ``apply_chat_template`` renders) and the text is tokenized with the request's
-``add_special_tokens`` (chat: off by default; completions: on) by the cached ``TextCounter``, which gives the
-ids or just their count. Large inputs (or any input of a large body: ``offload``) are tokenized in a thread
+Chat requests are rendered the way vLLM renders them (``chatformat`` reproduces its message handling; the text is
+the tokenizer's own ``apply_chat_template``'s, rendered for less by ``rendering``) and the text is tokenized with
+the request's ``add_special_tokens`` (chat: off by default; completions: on) by the cached ``TextCounter``, which
+gives the ids or just their count. Large inputs (or any input of a large body: ``offload``) are tokenized in a thread
 pool, small ones inline.
 """
 
@@ -27,6 +27,7 @@ from gateway.guard.counting.counter import (
     given_ids,
     keep_last_ids,
 )
+from gateway.guard.counting.rendering import ChatRenderer
 from gateway.guard.counting.template_wire import template_error_reason
 from gateway.guard.counting.templates import RequestTemplates, TemplateInputs
 from gateway.guard.counting.text import DEFAULT_CACHE_BYTES, TextCounter
@@ -83,6 +84,7 @@ class LocalCounter:
         self._fallback = fallback
         self._templates = templates or RequestTemplates(trusted=False)
         self._template_inputs = TemplateInputs(tokenizer)
+        self._renderer = ChatRenderer(tokenizer)
 
     async def _run(self, size: int | Callable[[], int], fn: Callable[[*Args], T], *args: *Args) -> T:
         # ``size`` measures only the text being counted (a function: measured only for a small body); the whole
@@ -104,13 +106,7 @@ class LocalCounter:
         template = self._model_template(None, body)
         prepared = prepare_chat(body, template)
         try:
-            text = self.tokenizer.apply_chat_template(
-                prepared.conversation,
-                tools=prepared.tools,  # type: ignore[arg-type]
-                chat_template=template,
-                tokenize=False,
-                **prepared.kwargs,
-            )
+            text = self._renderer.render(prepared)  # as apply_chat_template renders it
         except Exception as exc:  # templates raise anything; vLLM answers all of it with a 400 too
             raise InvalidRequest(template_error_reason(exc)) from exc
         if not isinstance(text, str):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.guard.counting.chatformat import PreparedChat
+from gateway.guard.counting.rendering import named_parameters
 from gateway.guard.counting.template_wire import FRAME
 
 if TYPE_CHECKING:
@@ -70,13 +71,8 @@ class TemplateInputs:
     """Builds a worker's job so that it renders what ``tokenizer.apply_chat_template(tokenize=False)`` would."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
-        import inspect
-
         # apply_chat_template binds these from its keyword arguments; everything else reaches the template.
-        params = inspect.signature(type(tokenizer).apply_chat_template).parameters
-        self._named = frozenset(
-            name for name, p in params.items() if p.kind is p.POSITIONAL_OR_KEYWORD or p.kind is p.KEYWORD_ONLY
-        ) - {"self", "conversation", "tools", "chat_template", "tokenize"}
+        self._named = named_parameters(tokenizer)
         self._special_tokens = {k: v for k, v in tokenizer.special_tokens_map.items() if isinstance(v, str | list)}
 
     def job(self, template: str, messages: list[Any], prepared: PreparedChat, limits: TemplateLimits) -> bytes:
