@@ -8,7 +8,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from starlette.datastructures import State
 from starlette.types import Receive, Scope, Send
 from starlette.websockets import WebSocketClose
@@ -18,6 +18,7 @@ from gateway.config import Settings
 from gateway.errors import GatewayError
 from gateway.guard.parts import Parts
 from gateway.http.assembly import build_parts
+from gateway.http.context import GuardedRequest
 from gateway.http.errors import error_response, install_handlers, internal_error_response
 from gateway.http.handlers import add_routes
 from gateway.http.relay import serve_guarded
@@ -110,7 +111,7 @@ class GuardedFastPath:
 
     async def _guarded(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self.app  # as Starlette sets it: the handlers find the app's parts through it
-        request = Request(scope, receive, send)
+        request = GuardedRequest(scope, receive, send)
         try:
             response = await serve_guarded(self.app.state.parts, request, route.name, route.path, self.held)
         except Exception:

@@ -7,16 +7,27 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from starlette.datastructures import Headers
 from starlette.requests import Request
 
 from gateway.config import Settings
 from gateway.errors import InvalidRequest
-from gateway.http.context import deadline, objective, priority, prompt_policy, request_id
+from gateway.http.context import (
+    GuardedRequest,
+    IndexedHeaders,
+    deadline,
+    objective,
+    priority,
+    prompt_policy,
+    request_id,
+)
 
 
 def request(**headers: str) -> Request:
     raw = [(k.replace("_", "-").encode(), v.encode()) for k, v in headers.items()]
-    return Request({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": raw})
+    return GuardedRequest({"type": "http", "method": "POST", "path": "/v1/chat/completions", "headers": raw})
 
 
 @pytest.mark.parametrize(
@@ -186,3 +197,30 @@ def test_an_objective_below_what_any_engine_can_meet_is_a_400_naming_the_header_
     assert error.message.startswith(f"x-llm-d-slo-ttft-ms is {raw} ms") and "least any engine can meet: 1 ms" in (
         error.message
     )
+
+
+# -- the headers, indexed ---------------------------------------------------------------------------
+NAMES = ["x-request-id", "X-Request-Id", "authorization", "content-length", "x-guard-priority", "traceparent", "a", "é"]
+RAW_NAMES = st.sampled_from([*(n.lower().encode("latin-1") for n in NAMES), b"x-other", b"A"])
+VALUES = st.binary(max_size=8).filter(lambda b: b"\r" not in b and b"\n" not in b)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(RAW_NAMES, VALUES), max_size=12), st.sampled_from([*NAMES, "x-other", "A", "missing"]))
+def test_indexed_headers_answer_as_starlettes_scan_does(raw: list[tuple[bytes, bytes]], name: str) -> None:
+    """Repeated headers (the first answers), any case asked, latin-1 names and values, absent ones."""
+    scanned, indexed = Headers(raw=list(raw)), IndexedHeaders({"headers": list(raw)})
+    assert indexed.get(name) == scanned.get(name)
+    assert indexed.get(name, "d") == scanned.get(name, "d")
+    assert (name in indexed) == (name in scanned)
+    assert indexed.getlist(name) == scanned.getlist(name) and indexed.items() == scanned.items()
+    if name in scanned:
+        assert indexed[name] == scanned[name]
+    else:
+        with pytest.raises(KeyError):
+            indexed[name]
+
+
+def test_a_guarded_requests_headers_are_indexed_once() -> None:
+    req = request(x_request_id="abc")
+    assert isinstance(req.headers, IndexedHeaders) and req.headers is req.headers
