@@ -115,10 +115,10 @@ def recompiled(compiled: Template, source: str) -> Template:
 
 
 def remembered(check: Callable[[Any, str, Any], bool]) -> Callable[[Any, str, Any], bool]:
-    """``check(obj, attr, value)`` answered once per (type of ``obj``, ``attr``). Bounded: only an attribute the
-    object has reaches the check (jinja looks an item up first, then ``getattr``, and asks only of what it found),
-    so the names are those of the types' own attributes (dicts, lists and strings from JSON, the template's own
-    namespaces and loops), not the keys of a request's data."""
+    """``check(obj, attr, value)`` answered once per (type of ``obj``, ``attr``). Bounded: jinja asks only of an
+    attribute ``getattr`` found on the object, named in the template's own text (``obj.name``) or, for ``obj[key]``,
+    only when the object has no such item; so the names are the attributes of a handful of types (JSON's dicts,
+    lists and strings, the template's namespaces and loops), never the keys of a request's data."""
     known: dict[tuple[type, str], bool] = {}
 
     def is_safe_attribute(obj: Any, attr: str, value: Any) -> bool:
