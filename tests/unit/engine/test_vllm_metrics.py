@@ -3,12 +3,20 @@ family, and whatever can be read from a partial or garbled page."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from gateway.engine.vllm_api import EngineMetrics, parse_metrics
+from gateway.engine.vllm_api import metrics as metrics_module
+from gateway.engine.vllm_api.metrics import plain_sample
 
 V1_TEXT = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -130,3 +138,71 @@ def test_one_garbled_line_loses_only_itself() -> None:
     text = V1_TEXT.replace('vllm:num_requests_waiting{engine="0",model_name="tiny"} 1.0', 'vllm:num_requests_waiting{')
     page = parse_metrics(text)
     assert (page.waiting, page.running, page.kv_usage, page.num_gpu_blocks) == (None, 3, 0.25, 32)
+
+
+# -- the plain lines, read without the library's parser ------------------------------------------------
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "vllm"
+PAGES = sorted(FIXTURES.glob("*/metrics.txt"))
+
+
+def library_samples(line: str) -> list[Sample]:
+    """prometheus_client's reading of one line: its samples, none when it refuses the line."""
+    try:
+        return [s for family in text_string_to_metric_families(line) for s in family.samples]
+    except ValueError:
+        return []
+
+
+def same(a: Sample, b: Sample) -> bool:
+    """Equal samples, the value of the same type (int or float), NaN equal to NaN."""
+    values = a.value == b.value or (math.isnan(a.value) and math.isnan(b.value))
+    return a._replace(value=0) == b._replace(value=0) and values and type(a.value) is type(b.value)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.parent.name for p in PAGES])
+def test_every_plain_line_of_vllms_pages_reads_as_the_library_reads_it(page: Path) -> None:
+    lines = [line for line in page.read_text().splitlines() if line and not line.startswith("#")]
+    plain = [(line, plain_sample(line)) for line in lines]
+    assert sum(sample is not None for _, sample in plain) >= len(lines) * 0.9  # vLLM writes the plain shape
+    for line, sample in plain:
+        if sample is not None:
+            (expected,) = library_samples(line)
+            assert same(sample, expected), line
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.parent.name for p in PAGES])
+def test_every_page_reads_as_with_the_library_alone(page: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = page.read_text()
+    read = parse_metrics(text)
+    monkeypatch.setattr(metrics_module, "plain_sample", lambda line: None)
+    assert read == parse_metrics(text)
+
+
+NAME = st.sampled_from(["vllm:num_requests_running", "vllm:x_total", "a", "_b:c", "9bad", "vllm:num-x", ""])
+LABEL_NAME = st.sampled_from(["engine", "model_name", "le", "__name__", "reason", "a b", "9x", ""])
+LABEL_VALUE = st.text(alphabet=st.sampled_from(list('abn0/._-:" \\{},=\té')), max_size=6)
+NUMBER = st.sampled_from(["1", "1.0", "-2", "+3", "1e3", "1.5E-2", "NaN", "nan", "+Inf", "-Inf", "Inf", "1_0",
+                          "0x10", "", "abc", "1.0 1700000000000", "1\t2", "1 # {a=\"b\"} 2", " 1", "1 "])
+
+
+@st.composite
+def sample_lines(draw: st.DrawFn) -> str:
+    labels = draw(st.lists(st.tuples(LABEL_NAME, LABEL_VALUE), max_size=3))
+    body = ",".join(f'{k}="{v}"' for k, v in labels) + draw(st.sampled_from(["", ",", ", "]))
+    braces = draw(st.sampled_from(["{%s}", "{%s", "%s}", "", " {%s}"]))
+    spaces = draw(st.sampled_from([" ", "  ", "\t"]))
+    return draw(NAME) + (braces % body if "%s" in braces else braces) + spaces + draw(NUMBER)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(sample_lines())
+@example('vllm:x{a="b\\\\c"} 1')  # an escaped backslash: the library unescapes it
+@example('vllm:x{a="b\\nc"} 1')  # an escaped newline
+@example('vllm:x{a="b\\"c"} 1')  # an escaped quote
+def test_a_line_read_plainly_reads_as_the_library_reads_it(line: str) -> None:
+    """Whatever the plain reading takes, the library reads the same (one sample, equal, of the same type); the
+    rest it leaves to the library."""
+    sample = plain_sample(line)
+    if sample is not None:
+        found = library_samples(line)
+        assert len(found) == 1 and same(sample, found[0]), (line, found)
