@@ -47,10 +47,7 @@ class IndexedHeaders(Headers):
 
     def __init__(self, scope: MutableMapping[str, Any]) -> None:
         super().__init__(scope=scope)
-        index: dict[bytes, bytes] = {}
-        for key, value in reversed(self._list):
-            index[key] = value
-        self._index = index
+        self._index: dict[bytes, bytes] = dict(reversed(self._list))  # the first of repeated names wins
 
     def __getitem__(self, key: str) -> str:
         value = self._index.get(key.lower().encode("latin-1"))
