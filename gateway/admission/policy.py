@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from typing import Protocol
 
 from gateway.admission.books import Books
 from gateway.admission.curve import UsageCurve, request_curve, usage_curve
@@ -24,12 +25,19 @@ from gateway.admission.timeline import TimeAware
 from gateway.config import Settings
 
 
+class Room(Protocol):
+    """The tenants' headroom as a policy asks it: the blocks admitting ``r`` must leave free out of ``budget``
+    (``Headroom``, or a site's part of the pool's, ``site.SiteHeadroom``)."""
+
+    def reserved(self, r: Reservation, budget: int) -> int: ...
+
+
 class Policy:
     def __init__(
-        self, settings: Settings, kv: KvView, books: Books, projector: Projector, headroom: Headroom | None = None
+        self, settings: Settings, kv: KvView, books: Books, projector: Projector, headroom: Room | None = None
     ) -> None:
         self._settings = settings
-        self._headroom = headroom if headroom is not None else Headroom(enabled=False)
+        self._headroom: Room = headroom if headroom is not None else Headroom(enabled=False)
         self._kv = kv
         self._books = books
         self._projector = projector

@@ -17,12 +17,12 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any
 
 from gateway.admission.books import Books
 from gateway.admission.kv_view import KvView, SnapshotSource, foreign_sequences
 from gateway.admission.ledger import Capacity
-from gateway.admission.policy import Policy
+from gateway.admission.policy import Policy, Room
 from gateway.admission.prefix import BlockKey, leading_run
 from gateway.admission.projection import Projector
 from gateway.admission.reservation import Destination, Reservation
@@ -67,19 +67,15 @@ def rank_snapshot(snap: EngineSnapshot, rank: str) -> EngineSnapshot:
     )
 
 
-class SharedHeadroom(Protocol):
-    def reserved(self, r: Any, budget: int) -> int: ...
-
-
 class SiteHeadroom:
     """The tenants' headroom, kept over every site's budget together, split among the sites by their budgets:
     one site keeps its part of the room the other active tenants are owed across the pool."""
 
-    def __init__(self, headroom: SharedHeadroom, pool_budget: Callable[[], int]) -> None:
+    def __init__(self, headroom: Room, pool_budget: Callable[[], int]) -> None:
         self._headroom = headroom
         self._pool_budget = pool_budget  # the sites' budgets together
 
-    def reserved(self, r: Any, budget: int) -> int:
+    def reserved(self, r: Reservation, budget: int) -> int:
         total = max(budget, self._pool_budget())
         room = self._headroom.reserved(r, total)
         return room if total == budget else math.ceil(room * budget / total)
@@ -109,7 +105,7 @@ class Site:
     """One engine's books and what admission learned of it."""
 
     def __init__(
-        self, target: Destination, view: SnapshotSource | None, settings: Settings, headroom: Any
+        self, target: Destination, view: SnapshotSource | None, settings: Settings, headroom: Room
     ) -> None:
         self.target = target
         # vLLM's own queue cap refused a request here lately: full until it has room (engine/queue_cap.py)
