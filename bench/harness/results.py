@@ -20,6 +20,7 @@ from typing import Any
 
 from bench.harness.pairing import Runs, comparisons, medians
 from bench.harness.processes import ROOT
+from gateway import native
 
 RESULTS = ROOT / "bench" / "results"
 SCHEMA = 1
@@ -87,11 +88,14 @@ def git(*args: str) -> str:
 
 
 def source_facts() -> dict[str, str]:
-    """The commit measured: HEAD, the last commit that changed the gateway, and whether the gateway's files differ
-    from it (then the figures are of uncommitted code)."""
+    """The commit measured: HEAD, the last commit that changed the gateway, whether the gateway's files differ
+    from it (then the figures are of uncommitted code), and whether its admission ran compiled (gateway/native.py:
+    a build for these sources)."""
+    built = (ROOT / native.BUILDS / native.key(ROOT) / native.DONE).is_file()
     return {"commit": git("rev-parse", "--short=7", "HEAD"),
             "gateway_commit": git("log", "-1", "--format=%h", "--abbrev=7", "--", "gateway"),
-            "gateway_dirty": "yes" if git("status", "--porcelain", "--", "gateway") else "no"}  # fmt: skip
+            "gateway_dirty": "yes" if git("status", "--porcelain", "--", "gateway") else "no",
+            "admission": "compiled" if built else "pure"}  # fmt: skip
 
 
 def host_facts() -> dict[str, Any]:
@@ -155,6 +159,7 @@ def markdown(data: Mapping[str, Any]) -> str:
     """The whole report of one result: what was run, where, the table, the benchmark's own tables, pictures."""
     src, host = data["source"], data["host"]
     dirty = " (uncommitted changes)" if src.get("gateway_dirty") == "yes" else ""
+    dirty += ", admission compiled" if src.get("admission") == "compiled" else ""
     lines = [
         f"`{data['command']}`",
         "",

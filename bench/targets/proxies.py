@@ -49,6 +49,9 @@ def source_at(commit: str, cache: Path = CACHE) -> tuple[Path, str]:
             tar.extractall(staging, filter="data")
         shutil.rmtree(where, ignore_errors=True)
         staging.rename(where)
+    if (where / "gateway" / "native.py").is_file():  # its admission compiled, as its own setup builds it (once)
+        subprocess.run(python("gateway.native", "build"), cwd=where, env={**os.environ, "PYTHONPATH": str(where)},
+                       capture_output=True, timeout=900, check=False)
     return where, sha[:7]
 
 

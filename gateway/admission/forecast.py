@@ -56,19 +56,26 @@ ARRIVAL_SHARE = 0.8  # of its time to wait, within which an arriving request mus
 W = TypeVar("W", bound=Waiting)
 
 
-@dataclass(frozen=True)
 class Late(Generic[W]):
-    """A queued request that will not be admitted before its deadline, as forecast."""
+    """A queued request that will not be admitted before its deadline, as forecast. (A plain class: a dataclass
+    generic in its item does not import compiled, ``gateway/native.py``.)"""
 
-    item: W
-    expected_wait: float  # seconds, at the rate seen
-    time_left: float  # seconds to its deadline
-    position: int  # requests to be admitted ahead of it
-    blocks_ahead: int  # blocks they need, its own excluded
-    blocks_per_second: float
-    in_flight: int  # requests whose release it waits for
-    arriving: bool = False  # judged as it arrived: within ``ARRIVAL_SHARE`` of its time
-    behind: bool = False  # arriving behind a request already past the time its objective gave it
+    __slots__ = ("arriving", "behind", "blocks_ahead", "blocks_per_second", "expected_wait", "in_flight", "item",
+                 "position", "time_left")
+
+    def __init__(
+        self, item: W, expected_wait: float, time_left: float, position: int, blocks_ahead: int,
+        blocks_per_second: float, in_flight: int, arriving: bool = False, behind: bool = False,
+    ) -> None:
+        self.item = item
+        self.expected_wait = expected_wait  # seconds, at the rate seen
+        self.time_left = time_left  # seconds to its deadline
+        self.position = position  # requests to be admitted ahead of it
+        self.blocks_ahead = blocks_ahead  # blocks they need, its own excluded
+        self.blocks_per_second = blocks_per_second
+        self.in_flight = in_flight  # requests whose release it waits for
+        self.arriving = arriving  # judged as it arrived: within ``ARRIVAL_SHARE`` of its time
+        self.behind = behind  # arriving behind a request already past the time its objective gave it
 
 
 @dataclass(frozen=True)

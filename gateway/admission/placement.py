@@ -17,10 +17,11 @@ import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from gateway.admission.destination import Destination
 from gateway.admission.headroom import Headroom
 from gateway.admission.kv_view import KvView, SnapshotSource
 from gateway.admission.ledger import Capacity
-from gateway.admission.reservation import Destination, Reservation
+from gateway.admission.reservation import Reservation
 from gateway.admission.site import RankView, Site, SiteHeadroom
 from gateway.config import Settings
 from gateway.engine.live import EngineSnapshot, EngineView

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from gateway.admission.books import Books
 from gateway.admission.curve import UsageCurve, request_curve, usage_curve
-from gateway.admission.headroom import Headroom
+from gateway.admission.headroom import Claim, Headroom
 from gateway.admission.kv_view import KvView
 from gateway.admission.ledger import Capacity
 from gateway.admission.projection import Projector
@@ -29,7 +29,7 @@ class Room(Protocol):
     """The tenants' headroom as a policy asks it: the blocks admitting ``r`` must leave free out of ``budget``
     (``Headroom``, or a site's part of the pool's, ``site.SiteHeadroom``)."""
 
-    def reserved(self, r: Reservation, budget: int) -> int: ...
+    def reserved(self, r: Claim, budget: int) -> int: ...
 
 
 class Policy:
@@ -42,6 +42,7 @@ class Policy:
         self._books = books
         self._projector = projector
         self._projected: UsageCurve | None = None  # the projection while a pass over the queue needs it
+        self.projections = 0  # projections computed: a pass over the queue computes one, or none
         self.time_aware = TimeAware(settings.time_aware == "on")  # the peak as requests end in turn (``timeline``)
 
     def begin_pass(self) -> None:
@@ -92,6 +93,7 @@ class Policy:
         if cap is None or not self._live():
             return None
         live = self._kv.live_used(cap) or 0
+        self.projections += 1
         return usage_curve(
             live, in_flight, cap.block_size, self._projector.outlook(), self._books.shared_held,
             engine=self._kv.engine_sequences(), transit=self._settings.scrape_interval,

@@ -22,7 +22,6 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypedDict, TypeVar
 
 from gateway.admission.fairness import FairShare
@@ -62,21 +61,28 @@ class TenantStatus(TypedDict):
     queued: int
 
 
-@dataclass
+# Plain classes, not dataclasses: a dataclass generic in its item does not import compiled (``gateway/native.py``).
 class _Lane(Generic[W]):
-    name: str
-    entries: list[_Entry[W]] = field(default_factory=list)  # sorted by key
-    keys: list[tuple[int, float, int]] = field(default_factory=list)  # the entries' keys, for bisect
+    __slots__ = ("entries", "keys", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.entries: list[_Entry[W]] = []  # sorted by key
+        self.keys: list[tuple[int, float, int]] = []  # the entries' keys, for bisect
 
 
-@dataclass
 class _Entry(Generic[W]):
-    item: W
-    key: tuple[int, float, int]  # (-priority, arrival + shift, arrival number): the order within a lane
-    enqueued_at: float
-    deadline: float
-    lane: _Lane[W]
-    passed: int = 0  # times a smaller request was admitted ahead of this one while it was next
+    __slots__ = ("deadline", "enqueued_at", "item", "key", "lane", "passed")
+
+    def __init__(
+        self, item: W, key: tuple[int, float, int], enqueued_at: float, deadline: float, lane: _Lane[W]
+    ) -> None:
+        self.item = item
+        self.key = key  # (-priority, arrival + shift, arrival number): the order within a lane
+        self.enqueued_at = enqueued_at
+        self.deadline = deadline
+        self.lane = lane
+        self.passed = 0  # times a smaller request was admitted ahead of this one while it was next
 
 
 class WaitQueue(Generic[W]):

@@ -14,12 +14,12 @@ import enum
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol
 
 from gateway import errors
 from gateway.admission.deadlines import WaitLimit
+from gateway.admission.destination import Destination
 from gateway.admission.ledger import own_blocks, request_need
 from gateway.admission.prefix import BlockKey, PromptPrefix, block_keys
 from gateway.admission.projection import credited_progress
@@ -38,16 +38,6 @@ class Phase(enum.Enum):
 
 # Tuples, not sets: membership by identity, without hashing the members on every transition.
 _WAITING = (Phase.NEW, Phase.QUEUED)  # not admitted yet: may still be turned away or withdrawn
-
-
-@dataclass(frozen=True, slots=True)
-class Destination:
-    """Where an admitted request goes: the gateway's engine ``engine`` (its index), and on a data-parallel one the
-    rank sent as ``X-data-parallel-rank``; ``name`` is how responses, status and metrics call it."""
-
-    name: str
-    engine: int = 0
-    rank: int | None = None
 
 
 class Admitter(Protocol):

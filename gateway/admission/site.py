@@ -20,12 +20,14 @@ from dataclasses import replace
 from typing import Any
 
 from gateway.admission.books import Books
+from gateway.admission.destination import Destination
+from gateway.admission.headroom import Claim
 from gateway.admission.kv_view import KvView, SnapshotSource, foreign_sequences
 from gateway.admission.ledger import Capacity
 from gateway.admission.policy import Policy, Room
 from gateway.admission.prefix import BlockKey, leading_run
 from gateway.admission.projection import Projector
-from gateway.admission.reservation import Destination, Reservation
+from gateway.admission.reservation import Reservation
 from gateway.config import Settings
 from gateway.engine.live import EngineSnapshot, EngineView
 from gateway.engine.queue_cap import QueueCap
@@ -75,7 +77,7 @@ class SiteHeadroom:
         self._headroom = headroom
         self._pool_budget = pool_budget  # the sites' budgets together
 
-    def reserved(self, r: Reservation, budget: int) -> int:
+    def reserved(self, r: Claim, budget: int) -> int:
         total = max(budget, self._pool_budget())
         room = self._headroom.reserved(r, total)
         return room if total == budget else math.ceil(room * budget / total)

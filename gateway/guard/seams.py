@@ -16,8 +16,8 @@ from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Protocol
 
+from gateway.admission.destination import Destination
 from gateway.admission.prefix import PromptPrefix
-from gateway.admission.reservation import Destination
 from gateway.errors import GatewayError
 from gateway.observe.access_log import AccessRecord
 from gateway.tenants.keys import KeyDirectory, Tenant

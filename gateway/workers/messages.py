@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from gateway import errors
+from gateway.admission.destination import Destination
 from gateway.admission.ledger import Capacity
 from gateway.admission.prefix import PromptPrefix
-from gateway.admission.reservation import Destination
 from gateway.engine.vllm_api import ServedModel
 from gateway.errors import GatewayError
 from gateway.workers.codec import Decode, Encode, Malformed, decoder, encoder

@@ -24,8 +24,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from gateway.admission.destination import Destination
 from gateway.admission.ledger import fit_output
-from gateway.admission.reservation import Destination
 from gateway.config import Settings
 from gateway.errors import UpstreamUnavailable
 from gateway.guard.parts import Parts

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
 
 import pytest
 
 from gateway.admission import Reservation
-from gateway.admission import policy as policy_module
-from gateway.admission.curve import UsageCurve, usage_curve
 from gateway.admission.projection import Outlook, Projector, credited_progress
 from gateway.engine.live import never_scraped
 from tests.unit.admission.booked import EIGHT, Booked
@@ -33,9 +29,7 @@ async def test_adaptive_admits_past_the_ledger_when_requests_stop_early(policy: 
     await release_all(rig, running + extra, tasks)
 
 
-async def test_an_arrival_reuses_the_projection_that_a_release_or_a_snapshot_redoes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_an_arrival_reuses_the_projection_that_a_release_or_a_snapshot_redoes() -> None:
     rig, running = await adaptive_rig_with_short_outputs()
     rig.clock.now += 0.1
     await rig.scrape(0.95)  # the engine nearly full: arrivals wait
@@ -44,27 +38,20 @@ async def test_an_arrival_reuses_the_projection_that_a_release_or_a_snapshot_red
     await settle()
     queued = rig.adm.queued
     assert 0 < queued < 10
-    projections: list[int] = []
-
-    def counted(live_used: int, in_flight: Iterable[Any], *args: Any, **kwargs: Any) -> UsageCurve:
-        in_flight = list(in_flight)
-        if any(r in in_flight for r in running):  # this rig's projection, not another test's
-            projections.append(1)
-        return usage_curve(live_used, in_flight, *args, **kwargs)
-
-    monkeypatch.setattr(policy_module, "usage_curve", counted)
+    policy = rig.adm._sites.primary.policy
+    before = policy.projections
     later = [rig.req(10) for _ in range(3)]
     tasks += [enter(r) for r in later]
     await settle()
     assert rig.adm.queued == queued + 3
-    arrivals = len(projections)
+    arrivals = policy.projections - before
     assert arrivals < len(later)  # nothing moved: kept (a pass per arrival projected each time before)
     running.pop().release()
-    assert len(projections) > arrivals  # a release moves the books: projected again
-    released = len(projections)
+    assert policy.projections - before > arrivals  # a release moves the books: projected again
+    released = policy.projections
     rig.clock.now += 0.1
     await rig.scrape(0.10)
-    assert len(projections) > released  # a snapshot moves the engine: projected again
+    assert policy.projections > released  # a snapshot moves the engine: projected again
     await release_all(rig, running + extra + later, tasks)
 
 

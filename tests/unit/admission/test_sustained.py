@@ -431,7 +431,7 @@ def test_an_arrival_refused_for_the_engines_queue_is_told_both_waits() -> None:
     pytest.param(None, False, id="none arrives behind them (a finite burst's stragglers): they wait on"),
 ])
 async def test_once_sustained_a_queued_request_is_refused_past_twice_the_derived_objective(
-    arrives: str | None, refused: bool, monkeypatch: pytest.MonkeyPatch,
+    arrives: str | None, refused: bool,
 ) -> None:
     # At 3x the engine's capacity the queue held 150-250 requests when the overload was seen; they waited up to
     # 6-10 s while every arrival behind them was refused at once. Those queued in the surge's first second, before
@@ -453,8 +453,12 @@ async def test_once_sustained_a_queued_request_is_refused_past_twice_the_derived
     assert not first.done() and not behind.done()
 
     async def go_on() -> None:
-        if arrives == "refused at once":  # 5 s ahead in vLLM's queue: past the whole 1-s wait
-            monkeypatch.setattr(rig.adm._deadlines.engine_queue, "ahead", lambda now: 5.0)
+        if arrives == "refused at once":  # over 5 s ahead in vLLM's queue: past the whole 1-s wait
+            vllm_queue = rig.adm._deadlines.engine_queue  # 100 waiting there, 8 left it over the last second
+            vllm_queue.snapshot(rig.clock.now - 1.0, 0, 100)
+            for _ in range(8):
+                vllm_queue.departed(rig.clock.now - 1.0)
+            assert vllm_queue.ahead(rig.clock.now) > 5.0
             with pytest.raises(errors.DeadlineUnreachable, match="in the engine's own queue"):
                 async with rig.req(1):
                     pass

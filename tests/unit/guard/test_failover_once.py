@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.admission.reservation import Destination
+from gateway.admission.destination import Destination
 from gateway.config import Settings
 from gateway.engine.engine import Engine
 from gateway.errors import UpstreamLost

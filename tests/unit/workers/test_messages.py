@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway import errors
+from gateway.admission.destination import Destination
 from gateway.admission.ledger import Capacity
 from gateway.admission.prefix import PromptPrefix
-from gateway.admission.reservation import Destination
 from gateway.engine.vllm_api import ServedModel
 from gateway.workers.codec import Malformed
 from gateway.workers.messages import (
