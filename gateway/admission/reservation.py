@@ -201,9 +201,7 @@ class Reservation:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if exc_type is not None:
-            self._cut = True
-        self.release()
+        self.release(completed=exc_type is None)
 
     def sent(self) -> None:
         """The request path begins writing the request to its engine. What came between the admission and this
@@ -217,8 +215,9 @@ class Reservation:
         """Give the blocks back (idempotent). On a queued reservation: withdraw it; its wait is cancelled.
 
         ``completed=False`` (a cut stream, an upstream error) keeps the request's output length out of the
-        adaptive policy's estimate, which a truncated output would bias low."""
-        if not completed:
+        adaptive policy's estimate, which a truncated output would bias low. How it ended is fixed by the first
+        release: a later one (the request path's own exit after the stream's end gave it back) changes nothing."""
+        if not completed and self.phase is not Phase.RELEASED:
             self._cut = True
         self._admitter.leave(self)
 

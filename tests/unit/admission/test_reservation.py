@@ -266,3 +266,15 @@ def test_progress_checkpoints_are_credited_only_inside_the_snapshot_window() -> 
     r.credit(10.3, window=0.5)
     r.forget_credit()
     assert r.credited is None
+
+
+async def test_how_a_request_ended_is_fixed_by_its_first_release() -> None:
+    # A stream's end gives its reservation back complete; the request path's own exit after it (an exception as
+    # the answer closes) or a later cut-short release changes nothing of what admission learned.
+    rig = Rig()
+    r = await rig.req(1).__aenter__()
+    r.observe_output_tokens(4 * r.n)
+    r.release()
+    await r.__aexit__(RuntimeError, RuntimeError("the answer closed"), None)
+    r.release(completed=False)
+    assert r.phase is Phase.RELEASED and r.completed_output == 4
