@@ -23,15 +23,19 @@ cd "$ROOT"
 PY="$ROOT/.venv/bin/python"
 failed=()
 
+# Records a pytest run's exit status: $1 names the run, $2 is the status. Exit code 5 means pytest collected
+# nothing: a suite that tests nothing is broken, not green.
+record() {
+    case "$2" in
+        0) ;;
+        5) echo "test: $1 collected no tests (exit 5); treating that as a failure" >&2; failed+=("$1(no tests)") ;;
+        *) failed+=("$1(exit $2)") ;;
+    esac
+}
+
 echo "test: pytest $*"
 "$PY" -m pytest "$@"
-rc=$?
-case "$rc" in
-    0) ;;
-    # Exit code 5 means pytest collected nothing: a suite that tests nothing is broken, not green.
-    5) echo "test: pytest collected no tests (exit 5); treating that as a failure" >&2; failed+=("pytest(no tests)") ;;
-    *) failed+=("pytest(exit $rc)") ;;
-esac
+record pytest $?
 
 # The workers matrix: the suites that cross the admission authority's channel (admission, tenants, the hostile
 # clients and upstreams, stream usage, the access log) once more with every gateway split into the authority and
@@ -47,26 +51,12 @@ WORKERS_SUITES=(
 if [ "$#" -eq 0 ]; then
     echo "test: pytest with VLLM_GUARD_TEST_WORKERS=2 ${WORKERS_SUITES[*]}"
     VLLM_GUARD_TEST_WORKERS=2 "$PY" -m pytest -q "${WORKERS_SUITES[@]}"
-    rc=$?
-    case "$rc" in
-        0) ;;
-        5) echo "test: the workers matrix collected no tests (exit 5); treating that as a failure" >&2
-           failed+=("pytest-workers(no tests)") ;;
-        *) failed+=("pytest-workers(exit $rc)") ;;
-    esac
-fi
-
-if [ "$#" -eq 0 ]; then
-    # The suite above ran the compiled admission where setup built it; the pure modules run wherever none matches.
+    record pytest-workers $?
+    # The runs above used the admission compiled by mypyc where setup built it for these sources; the pure
+    # modules run wherever none matches (an edited checkout, no C compiler): their own tests once more on them.
     echo "test: pytest -p testing.pure tests/unit/admission tests/unit/workers (the pure Python admission)"
     "$PY" -m pytest -q -p testing.pure tests/unit/admission tests/unit/workers
-    rc=$?
-    case "$rc" in
-        0) ;;
-        5) echo "test: the pure admission run collected no tests (exit 5); treating that as a failure" >&2
-           failed+=("pytest-pure(no tests)") ;;
-        *) failed+=("pytest-pure(exit $rc)") ;;
-    esac
+    record pytest-pure $?
 fi
 
 echo "test: ruff check"
