@@ -38,7 +38,8 @@ PURE = frozenset({"__init__.py", "prefix.py", "destination.py"})
 BUILDS = ".native"
 DONE = "built"  # written last: a folder without it is a build that did not finish, never used
 
-_state: dict[str, Path | bool | None] = {"active": None, "enabled": True}
+_enabled = True  # False: the pure modules run whatever is built (``disable``)
+_active: Path | None = None  # the build this process runs
 
 
 def top() -> Path:
@@ -59,41 +60,49 @@ def key(root: Path) -> str:
 def disable() -> None:
     """Run the pure modules in this process whatever is built (called before the package is imported: the
     pure run of the admission tests, ``testing/pure.py``)."""
-    _state["enabled"] = False
+    global _enabled
+    _enabled = False
 
 
 def activate(package_path: list[str], root: Path | None = None) -> Path | None:
     """Put the build that matches these sources first on ``package_path`` (the package's ``__path__``); the
     build's folder, or None where there is none (the pure modules run)."""
+    global _active
     root = top() if root is None else root
-    builds = root / BUILDS
-    if not _state["enabled"] or not builds.is_dir():  # a wheel install, or a checkout never built: nothing to hash
-        return None
-    where = builds / key(root)
-    if not (where / DONE).is_file():
+    where = built(root) if _enabled else None
+    if where is None:
         return None
     lib = str(where / "lib")  # the group's shared library, imported by name by each module's own small one
     if lib not in sys.path:
         sys.path.append(lib)
     package_path.insert(0, str(where / "modules"))
-    _state["active"] = where
+    _active = where
     return where
 
 
 def active() -> Path | None:
     """The build this process runs, or None: the pure modules."""
-    where = _state["active"]
-    return where if isinstance(where, Path) else None
+    return _active
+
+
+def built(root: Path) -> Path | None:
+    """The finished build for ``root``'s sources as they are now, or None."""
+    builds = root / BUILDS
+    if not builds.is_dir():  # a wheel install, or a checkout never built: nothing to hash
+        return None
+    where = builds / key(root)
+    return where if (where / DONE).is_file() else None
 
 
 def build(root: Path | None = None) -> Path:
     """Compile the package for the sources as they are now (a build already made for them is kept); raises
     ``RuntimeError`` with mypyc's own words when it cannot (no C compiler, a module it refuses)."""
     root = top() if root is None else root
+    ready = built(root)
+    if ready is not None:
+        return ready
     builds = root / BUILDS
     where = builds / key(root)
-    if (where / DONE).is_file():
-        return where
     with tempfile.TemporaryDirectory(prefix="vllm-guard-native-") as scratch:
         work = Path(scratch)
         shutil.copytree(root / "gateway", work / "gateway", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
@@ -133,10 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args == ["status"]:
-        root = top()
-        where = root / BUILDS / key(root)
-        built = (where / DONE).is_file()
-        print(f"compiled: {where}" if built else "pure Python: no build for these sources")
+        where = built(top())
+        print(f"compiled: {where}" if where is not None else "pure Python: no build for these sources")
         return 0
     print("usage: python -m gateway.native build|status", file=sys.stderr)
     return 2

@@ -91,11 +91,10 @@ def source_facts() -> dict[str, str]:
     """The commit measured: HEAD, the last commit that changed the gateway, whether the gateway's files differ
     from it (then the figures are of uncommitted code), and whether its admission ran compiled (gateway/native.py:
     a build for these sources)."""
-    built = (ROOT / native.BUILDS / native.key(ROOT) / native.DONE).is_file()
     return {"commit": git("rev-parse", "--short=7", "HEAD"),
             "gateway_commit": git("log", "-1", "--format=%h", "--abbrev=7", "--", "gateway"),
             "gateway_dirty": "yes" if git("status", "--porcelain", "--", "gateway") else "no",
-            "admission": "compiled" if built else "pure"}  # fmt: skip
+            "admission": "compiled" if native.built(ROOT) is not None else "pure"}  # fmt: skip
 
 
 def host_facts() -> dict[str, Any]:

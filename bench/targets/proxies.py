@@ -47,11 +47,11 @@ def source_at(commit: str, cache: Path = CACHE) -> tuple[Path, str]:
         staging = Path(tempfile.mkdtemp(prefix=f"src-{sha[:12]}-", dir=cache))
         with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
             tar.extractall(staging, filter="data")
+        if (staging / "gateway" / "native.py").is_file():  # its admission compiled, as its own setup builds it
+            subprocess.run(python("gateway.native", "build"), cwd=staging, capture_output=True, timeout=900,
+                           check=False, env={**os.environ, "PYTHONPATH": str(staging)})
         shutil.rmtree(where, ignore_errors=True)
         staging.rename(where)
-    if (where / "gateway" / "native.py").is_file():  # its admission compiled, as its own setup builds it (once)
-        subprocess.run(python("gateway.native", "build"), cwd=where, env={**os.environ, "PYTHONPATH": str(where)},
-                       capture_output=True, timeout=900, check=False)
     return where, sha[:7]
 
 

@@ -36,10 +36,10 @@ def made(root: Path, *, done: bool = True) -> Path:
 
 @pytest.fixture(autouse=True)
 def kept_state() -> Iterator[None]:
-    state, path = dict(native._state), list(sys.path)
-    native._state["enabled"] = True  # as a process that did not ``disable`` (testing.pure's) sees it
+    state, path = (native._enabled, native._active), list(sys.path)
+    native._enabled = True  # as a process that did not ``disable`` (testing.pure's) sees it
     yield
-    native._state.update(state)
+    native._enabled, native._active = state
     sys.path[:] = path
 
 
