@@ -4,6 +4,7 @@ templates, upstream streams (a part of ``Settings``)."""
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -20,6 +21,12 @@ MAX_BUFFERED_BYTES = 4 * 1024 * 1024
 KEEP_ALIVE_TIMEOUT = 120.0
 # All slow readers together: a quarter of what 2,048 connections (--max-connections) could each hold.
 MAX_TOTAL_BUFFERED_BYTES = 2 * 1024 * 1024 * 1024
+# --authority auto: the admission authority serves no requests of its own from this many workers on. With M
+# processes on M cores and the port spreading connections evenly, a serving authority's core is full at
+# M / (w + (M - 1) c) requests a second (its share, and the coordination c of every other's), an authority apart
+# (M workers, one process more) at min(M / (w + c), 1 / c) where the cores are M: equal at M = 2, higher from 3
+# on for any c < w. Measured c / w: 0.21-0.25 for short chats, 0.15 per relayed token (docs/overhead.md).
+APART_FROM = 3
 
 
 class HttpFields(BaseModel):
@@ -43,6 +50,20 @@ class HttpFields(BaseModel):
         if self.workers == "auto":
             return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
         return int(self.workers)
+
+    authority: Literal["auto", "serving", "apart"] = Field(
+        "auto", description="With --workers 2 or more: whether the admission authority also accepts and relays "
+        "requests (serving: it is one of the --workers processes) or only admits for them (apart: one process "
+        "more, off the port). auto: apart from 3 workers on, where the coordination of the others' requests fills "
+        "the authority's core before the workers' cores are full (docs/overhead.md).",
+    )
+
+    def authority_apart(self) -> bool:
+        """Whether the admission authority serves no requests of its own (``--authority``); never with one process."""
+        count = self.worker_count()
+        if count <= 1:
+            return False
+        return self.authority == "apart" or (self.authority == "auto" and count >= APART_FROM)
 
     # -- HTTP limits and timeouts -----------------------------------------------------------------
     max_body_bytes: int = Field(

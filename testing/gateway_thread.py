@@ -110,7 +110,7 @@ def run_gateway(
         time.sleep(0.01)
     gw = GatewayServer(f"http://127.0.0.1:{port}", app, loop_box[0])
     if plan is not None:
-        gw.wait_workers(plan.count - 1)
+        gw.wait_workers(plan.workers)
     try:
         yield gw
     finally:

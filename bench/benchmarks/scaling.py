@@ -2,7 +2,8 @@
 requests it served, the authority's coordination per request against a worker's whole cost, and the Amdahl
 bound they set.
 
-    python -m bench run scaling [--workers-list 1,2,3] [--load chats --load streams] [--seconds 8]
+    python -m bench run scaling [--workers-list 1,2,3] [--load chats --load streams] [--seconds 8] \
+        [--authority serving --authority apart]
     python -m bench run scaling --workers-list 1,2,4,8 --gateway-cpus 0-7 --engine-cpus 8-11 --client-cpus 12-15 \\
         --engine-processes 4 --client-threads 4 --stream-clients 4        # a 16-core machine: bench/device/scaling.sh
 
@@ -13,6 +14,10 @@ of the fast fake engine (``--engine-processes`` serve its port), and gets, per l
 - ``chats``: short chats (the overhead benchmark's), ``--connections`` at a time (64) from wrk;
 - ``streams``: ``--stream-load`` (128 streams of 200 tokens at 20 ms a token) from the relay benchmark's client
   (``--stream-clients`` processes share the streams), asking for the final usage.
+
+Past one process, each N runs with the admission authority serving (one of the N) and apart (``--authority
+apart``: N workers and the authority, which serves nothing; figures named ``..._apart``), in turns on the same
+loads.
 
 Which process served what: each gateway process writes a request id prefix of its own in its answers'
 ``x-request-id``; before the loads, probe connections find each process's prefix (the process that holds the
@@ -52,6 +57,7 @@ TARGETS = ["gateway", "baseline"]
 DEFAULT_TARGETS = ["gateway"]
 GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
 LOADS = ("chats", "streams")
+AUTHORITY = ("serving", "apart")
 AMDAHL_AT = (8, 16)
 
 
@@ -75,14 +81,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-processes", type=int, default=1, help="processes of the fake engine (1)")
     parser.add_argument("--client-threads", type=int, default=1, help="wrk's threads (1)")
     parser.add_argument("--stream-clients", type=int, default=1, help="stream client processes (1)")
+    parser.add_argument("--authority", action="append", choices=AUTHORITY, default=None,
+                        help="repeatable: the authority's modes past one process (default both)")
 
 
-def measures(counts: list[int], loads: list[str]) -> list[Measure]:
+def configurations(counts: list[int], modes: list[str]) -> list[tuple[int, str]]:
+    """Each (N, the authority's mode) to run, ascending in N: ``--workers 1`` has no authority to set apart."""
+    return [(n, "serving") if n == 1 else (n, mode) for n in counts for mode in (modes if n > 1 else ["serving"])]
+
+
+def key_of(load: str, n: int, mode: str) -> str:
+    return f"{load}_w{n}" + ("_apart" if mode == "apart" else "")
+
+
+def measures(counts: list[int], loads: list[str], modes: list[str]) -> list[Measure]:
     out: list[Measure] = []
     for ld in loads:
         unit = "token" if ld == "streams" else "chat"
-        for n in counts:
-            k, at = f"{ld}_w{n}", f", {ld}, --workers {n}"
+        for n, mode in configurations(counts, modes):
+            k, at = key_of(ld, n, mode), f", {ld}, --workers {n}" + (", authority apart" if mode == "apart" else "")
             out += [Measure(f"{k}_rate", f"{unit}s/s{at}", ".0f"),
                     Measure(f"{k}_cpu_us", f"all processes' CPU per {unit} (us){at}", ".1f")]
             if n > 1:
@@ -107,8 +124,8 @@ def cores_for(ctx: Context, n: int) -> str | None:
 
 
 def workers_of(gateway: Target, n: int, timeout_s: float = 180.0) -> list[int]:
-    """The pids of the gateway's ``n - 1`` worker processes, once each listens on the gateway's port (a worker
-    still importing takes no connection: a load started then goes to the authority alone). Where /proc does not
+    """The pids of the gateway's ``n`` worker processes, once each listens on the gateway's port (a worker
+    still importing takes no connection: a load started then goes to the others alone). Where /proc does not
     show sockets (a sandboxed kernel), once they run and 15 s more."""
     import psutil
 
@@ -118,12 +135,12 @@ def workers_of(gateway: Target, n: int, timeout_s: float = 180.0) -> list[int]:
         found = [c for c in psutil.Process(gateway.pid).children()
                  if "gateway.http.worker_main" in " ".join(c.cmdline())]  # fmt: skip
         listening = [c.pid for c in found if listens(c.pid, port)]
-        if len(listening) >= n - 1:
+        if len(listening) >= n:
             return sorted(listening)
-        if len(found) >= n - 1 and not listens(gateway.pid, port) and time.monotonic() - started > 15:
+        if len(found) >= n and not listens(gateway.pid, port) and time.monotonic() - started > 15:
             return sorted(c.pid for c in found)  # the authority's own socket is not seen either: no way to tell
         if time.monotonic() >= deadline:
-            raise RuntimeError(f"{gateway.name}: {len(listening)} of {n - 1} workers listening after {timeout_s:.0f} s")
+            raise RuntimeError(f"{gateway.name}: {len(listening)} of {n} workers listening after {timeout_s:.0f} s")
         time.sleep(0.5)
 
 
@@ -221,10 +238,12 @@ def one_load(ctx: Context, gateway: Target, load: str, roles: dict[str, int],
     return rate, failed, float(sum(counts.values())), procs
 
 
-def figures_of(load: str, n: int, rate: float, procs: list[scaling.Process], one_us: float | None) -> Figures:
+def figures_of(load: str, n: int, rate: float, procs: list[scaling.Process], one_us: float | None,
+               mode: str = "serving") -> Figures:
     """One load's figures at ``--workers n``: the rate, the CPU per unit, and past one process the split and
-    the Amdahl bounds (``one_us``: one process's CPU per unit, measured at ``--workers 1``)."""
-    k, total = f"{load}_w{n}", sum(p.served for p in procs)
+    the Amdahl bounds (``one_us``: one process's CPU per unit, measured at ``--workers 1``; ``mode``: the
+    authority's)."""
+    k, total = key_of(load, n, mode), sum(p.served for p in procs)
     out: Figures = {f"{k}_rate": rate,
                     f"{k}_cpu_us": sum(p.cpu_s for p in procs) * 1e6 / total if total else math.nan}
     if n == 1:
@@ -239,7 +258,8 @@ def figures_of(load: str, n: int, rate: float, procs: list[scaling.Process], one
     out |= {f"{k}_authority_share": found.authority_share, f"{k}_authority_us": found.authority_us,
             f"{k}_worker_us": w, f"{k}_coord_us": c, f"{k}_coord_of_worker": found.coordination_of_worker,
             f"{k}_limit": scaling.limit(w1, c),
-            **{f"{k}_bound{m}": scaling.bound_per_s(m, w, w, c) for m in AMDAHL_AT}}
+            **{f"{k}_bound{m}": scaling.bound_apart(m, w, c) if mode == "apart" else scaling.bound_per_s(m, w, w, c)
+               for m in AMDAHL_AT}}
     return out
 
 
@@ -257,6 +277,7 @@ def rows_of(where: str, load: str, roles: dict[str, int], procs: list[scaling.Pr
 def run(ctx: Context) -> Result:
     args = ctx.args
     loads = args.load or list(LOADS)
+    modes = args.authority or list(AUTHORITY)
     engine = engines.fake(ctx, "engine", token_delay=0.0, processes=args.engine_processes)
     ctx.start(engine)
     tok = proxies.tokenizer_dir()
@@ -265,23 +286,32 @@ def run(ctx: Context) -> Result:
     def measure(name: str, turn: int) -> Figures:
         figures: Figures = {}
         commit = args.baseline_commit if name == "baseline" else None
-        for n in args.workers_list:  # ascending: --workers 1 prices one process first
-            gw = proxies.gateway(ctx, f"{name}-w{n}", [engine], flags=(*GATEWAY_FLAGS, "--workers", str(n)),
-                                 tokenizer=tok, commit=commit, cpus=cores_for(ctx, n))
+        for n, mode in configurations(args.workers_list, modes):  # ascending: --workers 1 prices one process first
+            apart = mode == "apart"
+            if name == "baseline" and apart:
+                continue  # a commit from before --authority: its authority always serves
+            # This tree's authority is set apart by default from 3 workers on: the mode is always said.
+            chosen = ("--authority", mode) if name != "baseline" and n > 1 else ()
+            gw = proxies.gateway(ctx, f"{name}-w{n}" + ("-apart" if apart else ""), [engine],
+                                 flags=(*GATEWAY_FLAGS, "--workers", str(n), *chosen), tokenizer=tok, commit=commit,
+                                 cpus=cores_for(ctx, n))
             ctx.start(gw)
             try:
-                pids = [gw.pid, *workers_of(gw, n)]
-                roles = {"authority": pids[0], **{f"worker {i}": p for i, p in enumerate(pids[1:], 1)}}
+                workers = workers_of(gw, n if apart else n - 1)
+                pids = [gw.pid, *workers]
+                roles = {"authority": pids[0], **{f"worker {i}": p for i, p in enumerate(workers, 1)}}
                 wrk.run(gw.url + "/v1/chat/completions", wrk.SHORT_CHAT, 8, 2.0, ctx.cores.client)  # warm-up
-                ids = prefixes(gw, pids)
-                if len(ids) < len(pids):
-                    ctx.say(f"{gw.name}: request id prefixes of {len(ids)} of {len(pids)} processes found")
+                serving = workers if apart else pids
+                ids = prefixes(gw, serving)
+                if len(ids) < len(serving):
+                    ctx.say(f"{gw.name}: request id prefixes of {len(ids)} of {len(serving)} processes found")
                 for load in loads:
                     rate, failed, counted, procs = one_load(ctx, gw, load, roles, ids)
-                    got = figures_of(load, n, rate, procs, figures.get(f"{load}_w1_cpu_us"))
+                    got = figures_of(load, n, rate, procs, figures.get(f"{load}_w1_cpu_us"), mode)
                     figures |= got
                     figures[f"{load}_failed"] = figures.get(f"{load}_failed", 0.0) + failed
-                    table.extend(rows_of(f"{name} (turn {turn + 1}) | {n}", load, roles, procs, counted))
+                    table.extend(rows_of(f"{name} (turn {turn + 1}) | {n}{' apart' if apart else ''}", load, roles,
+                                         procs, counted))
                     ctx.say(f"{name} --workers {n} {load}: " + ", ".join(f"{k} {v:.4g}" for k, v in got.items()))
             finally:
                 ctx.stop(gw.name)
@@ -295,7 +325,8 @@ def run(ctx: Context) -> Result:
              f"chats: {args.connections} at a time from wrk ({args.client_threads} thread(s)); streams: "
              f"{args.stream_load.label} from {args.stream_clients} client process(es); {args.seconds:g} s a load",
              "w: a worker's CPU per unit it served; w1: one process's (--workers 1); c: the authority's CPU beyond "
-             "its own serving (priced at w) per unit a worker served; bound with M processes = M / (w + (M - 1) c); "
+             "its own serving (priced at w) per unit a worker served (apart: its whole CPU); bound with M processes "
+             "= M / (w + (M - 1) c), apart (M workers and the authority on M cores) min(M / (w + c), 1 / c); "
              "limit (the speed-up over one process no number of workers passes) = w1 / c"]
-    return ctx.result(measures(args.workers_list, loads), runs, ["baseline"], notes=notes,
+    return ctx.result(measures(args.workers_list, loads, modes), runs, ["baseline"], notes=notes,
                       extra_markdown="Each process over each load:\n\n" + head + "\n" + "\n".join(table))

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # How --workers N scales on a machine with cores to spare (the device: 16 cores, no network): chats/s and relayed
-# tokens/s at 1, 2, 4 and 8 workers in front of the fast fake engine, each process's CPU per request it served, and
-# the Amdahl bound (python -m bench run scaling; docs/overhead.md). Under 8 minutes.
+# tokens/s at 1, 2, 4 and 8 workers in front of the fast fake engine, the admission authority serving and apart
+# (--authority), each process's CPU per request it served, and the Amdahl bound (python -m bench run scaling;
+# docs/overhead.md). Under 8 minutes: seven gateways of about 30 s each.
 #
 #     bash bench/device/prepare.sh                # once, where the package index is reachable: .cache/device/
 #     bash bench/device/scaling.sh                # on the device, from the repository's root, .cache/device carried

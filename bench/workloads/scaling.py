@@ -13,7 +13,8 @@ request a worker forwards. So:
   workers' at ``M / w``: the gateway's bound is the smaller, and its speed-up over one process (``w1`` a unit)
   is that bound times ``w1``, at most ``w1 / c`` however many workers (Amdahl's law, the coordination the
   serial part);
-- an authority that served nothing would be bound at ``min((M - 1) / w, 1 / c)``.
+- an authority apart (``--authority apart``: it serves nothing; ``M`` workers, one process more on the same ``M``
+  cores) is bound at ``min(M / (w + c), 1 / c)``, and its ``c`` is measured directly: its whole CPU.
 """
 
 from __future__ import annotations
@@ -90,9 +91,12 @@ def limit(one_us: float, c_us: float) -> float:
     return one_us / c_us if c_us > 0 else math.inf
 
 
-def bound_without_serving(m: int, w_us: float, c_us: float) -> float:
-    """Units a second with ``m`` processes when the authority serves nothing itself (``m - 1`` serve)."""
-    return min((m - 1) * 1e6 / w_us, 1e6 / c_us if c_us > 0 else math.inf)
+def bound_apart(m: int, w_us: float, c_us: float) -> float:
+    """Units a second of ``m`` workers on ``m`` cores with the authority apart (``--authority apart``: it serves
+    nothing, one process more on the same cores): the cores full at ``m / (w + c)``, or the authority's own at
+    ``1 / c``, whichever first. Against a serving authority's ``m / (w + (m - 1) c)``: the same at ``m = 2``, more
+    from 3 on for any ``c < w``."""
+    return min(m * 1e6 / (w_us + c_us), 1e6 / c_us if c_us > 0 else math.inf)
 
 
 def served_by(processes: Mapping[str, str], counts: Mapping[str, float]) -> dict[str, float]:

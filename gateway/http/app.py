@@ -65,6 +65,8 @@ async def start_workers(parts: Parts, settings: Settings, plan: WorkerPlan, stac
     parts.authority = authority
     pool = WorkerPool(settings, plan)
     await pool.start()
+    log.info("admission authority %s; %d worker process(es) serve port %d", "apart (it serves no request itself)"
+             if plan.apart else "serving its share of the port", plan.workers, settings.port)
     stack.push_async_callback(pool.stop)
 
 

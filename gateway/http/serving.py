@@ -83,13 +83,22 @@ def build_server(app: ASGIApp, settings: Settings, **overrides: Any) -> GatewayS
 
 def listening_socket(settings: Settings, *, shared: bool) -> socket.socket:
     """The gateway's port, bound (``shared``: with ``SO_REUSEPORT``, one socket per process)."""
+    sock = _bound(settings, shared=shared)
+    sock.listen(2048)
+    return sock
+
+
+def _bound(settings: Settings, *, shared: bool) -> socket.socket:
     family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if shared:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((settings.host, settings.port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((settings.host, settings.port))
+    except OSError:
+        sock.close()
+        raise
     sock.set_inheritable(False)
     return sock
 
@@ -103,7 +112,13 @@ def private_socket(path: Path) -> socket.socket:
 
 
 def sockets_for(settings: Settings, plan: WorkerPlan | None) -> list[socket.socket]:
-    """The sockets the authority's server serves: the port, and with workers its private app socket."""
+    """The sockets the authority's server serves: the port, and with workers its private app socket (that
+    alone for an authority apart: its workers hold the port)."""
     if plan is None:
         return [listening_socket(settings, shared=False)]
+    if plan.apart:
+        # Its workers bind the port; a port another program holds is said here, at the start, as a serving
+        # authority's own bind would say it (a worker's failed bind would only be retried, and the gateway wait).
+        _bound(settings, shared=True).close()  # bound, never listening: no connection is ever queued on it
+        return [private_socket(plan.private)]
     return [listening_socket(settings, shared=True), private_socket(plan.private)]

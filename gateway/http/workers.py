@@ -1,5 +1,6 @@
 """``--workers N``: N processes accept and relay requests on the gateway's port; the first is the admission
-authority (``gateway/workers/authority.py``).
+authority (``gateway/workers/authority.py``), or, with the authority apart (``--authority``), the authority is one
+process more that listens only on its private sockets and admits for the N others.
 
 Every process binds the port with ``SO_REUSEPORT``, so the kernel spreads connections across them and none
 hands bytes to another. The authority (the process ``vllm-guard serve`` started) also listens on two Unix
@@ -49,10 +50,18 @@ UNNAMED_GRACE = 60.0
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """Where the authority and its workers meet: a private folder with the channel and the authority's app."""
+    """Where the authority and its workers meet: a private folder with the channel and the authority's app.
+    ``count``: the processes that accept and relay (``--workers``); ``apart``: the authority is not one of them
+    (``--authority``), so each of them is a worker process."""
 
     count: int
     folder: Path
+    apart: bool = False
+
+    @property
+    def workers(self) -> int:
+        """The worker processes the authority starts: every serving process but itself, unless it is apart."""
+        return self.count if self.apart else self.count - 1
 
     @property
     def channel(self) -> Path:
@@ -70,7 +79,7 @@ class WorkerPlan:
             return None
         # Only this user may connect (mkdtemp: mode 0700): the channel admits requests, the app answers admin
         # routes to anyone on it. The pid in the name tells a later start whether the folder's authority lives.
-        return cls(count, Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")))
+        return cls(count, Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")), settings.authority_apart())
 
     def remove(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -157,7 +166,7 @@ class WorkerPool:
         self._stopping = False
 
     async def start(self) -> None:
-        for index in range(1, self._plan.count):
+        for index in range(1, self._plan.workers + 1):
             self._tasks.append(asyncio.create_task(self._keep(index), name=f"worker-{index}"))
 
     async def _keep(self, index: int) -> None:

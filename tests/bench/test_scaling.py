@@ -10,8 +10,8 @@ import pytest
 from bench.workloads import wrk
 from bench.workloads.scaling import (
     Process,
+    bound_apart,
     bound_per_s,
-    bound_without_serving,
     limit,
     served_by,
     speedup,
@@ -55,9 +55,13 @@ def test_the_bound_is_the_authority_s_core_full_its_share_served_and_the_rest_co
     assert limit(600, 0) == math.inf
 
 
-def test_an_authority_that_served_nothing_is_bound_by_its_coordination_alone() -> None:
-    assert bound_without_serving(8, 700, 100) == pytest.approx(1e6 / 100)
-    assert bound_without_serving(2, 700, 100) == pytest.approx(1e6 / 700)
+def test_an_authority_apart_is_bound_by_the_cores_all_processes_share_or_by_its_coordination() -> None:
+    assert bound_apart(8, 700, 100) == pytest.approx(1e6 / 100)  # 8 / 800 us > 1 / 100 us: the authority's core
+    assert bound_apart(2, 700, 100) == pytest.approx(2e6 / 800)
+    # Two processes: the same bound as a serving authority; from three on, more (any c < w).
+    assert bound_apart(2, 700, 100) == pytest.approx(bound_per_s(2, 700, 700, 100))
+    for m in (3, 4, 8, 16):
+        assert bound_apart(m, 700, 100) > bound_per_s(m, 700, 700, 100)
 
 
 def test_units_are_assigned_to_processes_by_their_request_id_prefix() -> None:

@@ -12,10 +12,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from gateway.config import Settings
 from gateway.http import workers
+from gateway.http.serving import sockets_for
 from gateway.http.workers import UNNAMED_GRACE, WorkerPlan, remove_stale
+from testing.servers import free_port
 
 
 @pytest.fixture
@@ -170,3 +173,60 @@ def test_another_users_folder_is_kept(tmp_path: Path, gone_pid: int, monkeypatch
 
 def test_a_root_that_cannot_be_read_removes_nothing(tmp_path: Path) -> None:
     assert remove_stale(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize(
+    ("workers", "authority", "apart", "started"),
+    [
+        ("2", "auto", False, 1),  # a serving authority and one worker: the same bound as apart, one process less
+        ("3", "auto", True, 3),  # from three on the authority's core fills first: apart
+        ("8", "auto", True, 8),
+        ("4", "serving", False, 3),
+        ("2", "apart", True, 2),
+    ],
+)
+def test_the_authority_serves_or_stands_apart_and_starts_a_worker_for_every_other_serving_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: str, authority: str, apart: bool, started: int
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    plan = WorkerPlan.for_settings(Settings(workers=workers, authority=authority))
+    assert plan is not None
+    try:
+        assert (plan.apart, plan.workers, plan.count) == (apart, started, int(workers))
+    finally:
+        plan.remove()
+
+
+@pytest.mark.parametrize("authority", ["auto", "serving", "apart"])
+def test_one_process_has_no_authority_to_set_apart(authority: str) -> None:
+    settings = Settings(workers="1", authority=authority)
+    assert not settings.authority_apart() and WorkerPlan.for_settings(settings) is None
+
+
+def test_an_authority_apart_listens_only_on_its_private_socket(tmp_path: Path) -> None:
+    settings = Settings(workers="2", host="127.0.0.1", port=free_port())
+    (tmp_path / "apart").mkdir()
+    (tmp_path / "serving").mkdir()
+    apart = sockets_for(settings, WorkerPlan(2, tmp_path / "apart", apart=True))
+    serving = sockets_for(settings, WorkerPlan(2, tmp_path / "serving", apart=False))
+    try:
+        assert [(s.family, s.getsockname()) for s in apart] == [(socket.AF_UNIX, str(tmp_path / "apart/app.sock"))]
+        assert [s.family for s in serving] == [socket.AF_INET, socket.AF_UNIX]
+    finally:
+        for sock in apart + serving:
+            sock.close()
+
+
+def test_an_unknown_authority_mode_is_refused() -> None:
+    with pytest.raises(ValidationError, match="authority"):
+        Settings(workers="2", authority="elsewhere")
+
+
+def test_an_authority_apart_says_at_its_start_that_another_program_holds_the_port(tmp_path: Path) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        settings = Settings(workers="3", host="127.0.0.1", port=held.getsockname()[1])
+        with pytest.raises(OSError, match="in use"):
+            sockets_for(settings, WorkerPlan(3, tmp_path, apart=True))
+    assert not (tmp_path / "app.sock").exists()
