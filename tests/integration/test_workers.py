@@ -37,20 +37,27 @@ def completion(**extra: Any) -> dict[str, Any]:
     return {"model": "tiny", "prompt": [7] * PROMPT, "max_tokens": OUTPUT, **extra}
 
 
-@pytest.fixture(scope="module")
-def sim() -> Iterator[SimServer]:
-    config = SimConfig(model="tiny", max_model_len=2048, num_blocks=BLOCKS, block_size=BLOCK, token_delay=0.003)
-    with run_sim_server(config) as server:
+SIM = SimConfig(model="tiny", max_model_len=2048, num_blocks=BLOCKS, block_size=BLOCK, token_delay=0.003)
+
+
+def strict(tokenizer_dir: Path) -> Settings:
+    """Strict admission against the simulator's small KV budget: one ledger for all processes is then visible."""
+    return Settings(
+        tokenizer=str(tokenizer_dir), scrape_interval=0.05, admission_policy="strict", kv_target=0.9,
+        queue_timeout=30.0,
+    )
+
+
+@pytest.fixture(scope="module", name="sim")
+def sim_server() -> Iterator[SimServer]:
+    """The simulator; a module that imports this fixture gets its own (the scope is the module's)."""
+    with run_sim_server(SIM) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def gateway(sim: SimServer, tokenizer_dir: Path) -> Iterator[GatewayServer]:
-    settings = Settings(
-        tokenizer=str(tokenizer_dir), scrape_interval=0.05, admission_policy="strict", kv_target=0.9,
-        queue_timeout=30.0,
-    )
-    with run_gateway(settings, upstream=sim.url, workers="2") as gw:
+    with run_gateway(strict(tokenizer_dir), upstream=sim.url, workers="2") as gw:
         yield gw
 
 
@@ -96,16 +103,22 @@ async def connection_on(gw: GatewayServer, worker: bool) -> tuple[asyncio.Stream
     spreads connections across the processes, so the test makes some until one lands where it wants."""
     pid, port = worker_pid(gw), int(gw.url.rsplit(":", 1)[1])
     for _ in range(64):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        client_port = writer.get_extra_info("sockname")[1]
-        deadline = time.monotonic() + 5.0
-        while not (inode := _server_inode(port, client_port)):
-            assert time.monotonic() < deadline, "the gateway did not accept the connection"
-            await asyncio.sleep(0.01)
+        reader, writer, inode = await accepted(port)
         if _holds(pid, inode) == worker:
             return reader, writer
         writer.close()
     raise AssertionError("no connection landed on the process wanted")
+
+
+async def accepted(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int]:
+    """A new connection to the gateway's ``port``, once a process accepted it, and the inode of its server side."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    client_port = writer.get_extra_info("sockname")[1]
+    deadline = time.monotonic() + 5.0
+    while not (inode := _server_inode(port, client_port)):
+        assert time.monotonic() < deadline, "the gateway did not accept the connection"
+        await asyncio.sleep(0.01)
+    return reader, writer, inode
 
 
 async def exchange(
@@ -151,22 +164,28 @@ def committed_peak(gw: GatewayServer, stop: list[bool], seen: list[int]) -> None
         time.sleep(0.002)
 
 
-def test_both_processes_serve_and_the_books_never_pass_the_budget(gateway: GatewayServer, sim: SimServer) -> None:
+def watched_flood(gw: GatewayServer) -> tuple[list[httpx.Response], int]:
+    """The flood that fills the KV budget, and the most blocks the books held at once meanwhile."""
     import threading
 
-    pid = worker_pid(gateway)
-    before_worker, preempted = cpu_seconds(pid), sim.sim.preemptions_total
-    stop, seen = [False], []
-    watcher = threading.Thread(target=committed_peak, args=(gateway, stop, seen))
+    stop, seen = [False], [0]
+    watcher = threading.Thread(target=committed_peak, args=(gw, stop, seen))
     watcher.start()
     try:
-        answers = asyncio.run(flood(gateway.url, FLOOD, completion(ignore_eos=True)))
+        answers = asyncio.run(flood(gw.url, FLOOD, completion(ignore_eos=True)))
     finally:
         stop[0] = True
         watcher.join()
+    return answers, max(seen)
+
+
+def test_both_processes_serve_and_the_books_never_pass_the_budget(gateway: GatewayServer, sim: SimServer) -> None:
+    pid = worker_pid(gateway)
+    before_worker, preempted = cpu_seconds(pid), sim.sim.preemptions_total
+    answers, peak = watched_flood(gateway)
     assert [r.status_code for r in answers] == [200] * FLOOD
     assert cpu_seconds(pid) > before_worker, "the worker process served none of the flood"
-    assert max(seen) <= int(0.9 * BLOCKS) and sim.sim.preemptions_total == preempted  # strict: one ledger for both
+    assert peak <= int(0.9 * BLOCKS) and sim.sim.preemptions_total == preempted  # strict: one ledger for both
     gateway.wait_ledger_empty()
 
 

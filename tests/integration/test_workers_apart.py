@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,37 +18,26 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.config import Settings
 from testing.gateway_thread import GatewayServer, run_gateway
-from testing.vllm_sim import SimConfig, SimServer, run_sim_server
+from testing.vllm_sim import SimServer
 from tests.integration.test_workers import (
-    BLOCK,
     BLOCKS,
     FLOOD,
     _holds,
     _is_worker,
-    _server_inode,
-    committed_peak,
+    accepted,
     completion,
     cpu_seconds,
     flood,
+    sim_server,  # noqa: F401  (the ``sim`` fixture)
+    strict,
+    watched_flood,
 )
 
 
 @pytest.fixture(scope="module")
-def sim() -> Iterator[SimServer]:
-    config = SimConfig(model="tiny", max_model_len=2048, num_blocks=BLOCKS, block_size=BLOCK, token_delay=0.003)
-    with run_sim_server(config) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def gateway(sim: SimServer, tokenizer_dir: Path) -> Iterator[GatewayServer]:
-    settings = Settings(
-        tokenizer=str(tokenizer_dir), scrape_interval=0.05, admission_policy="strict", kv_target=0.9,
-        queue_timeout=30.0,
-    )
-    with run_gateway(settings, upstream=sim.url, workers="2", authority="apart") as gw:
+    with run_gateway(strict(tokenizer_dir), upstream=sim.url, workers="2", authority="apart") as gw:
         yield gw
 
 
@@ -70,12 +58,7 @@ def test_the_authority_apart_accepts_no_connection_on_the_port(gateway: GatewayS
     async def holders() -> list[int]:
         found = []
         for _ in range(16):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            client_port = writer.get_extra_info("sockname")[1]
-            deadline = time.monotonic() + 5.0
-            while not (inode := _server_inode(port, client_port)):
-                assert time.monotonic() < deadline, "the gateway did not accept the connection"
-                await asyncio.sleep(0.01)
+            _, writer, inode = await accepted(port)
             found += [pid for pid in (os.getpid(), *workers) if _holds(pid, inode)]
             writer.close()
         return found
@@ -89,18 +72,11 @@ def test_its_workers_serve_every_request_within_one_budget(gateway: GatewayServe
     workers = worker_pids()
     before = [cpu_seconds(pid) for pid in workers]
     own, preempted = served_by_authority(gateway), sim.sim.preemptions_total
-    stop, seen = [False], []
-    watcher = threading.Thread(target=committed_peak, args=(gateway, stop, seen))
-    watcher.start()
-    try:
-        answers = asyncio.run(flood(gateway.url, FLOOD, completion(ignore_eos=True)))
-    finally:
-        stop[0] = True
-        watcher.join()
+    answers, peak = watched_flood(gateway)
     assert [r.status_code for r in answers] == [200] * FLOOD
     assert all(cpu_seconds(pid) > was for pid, was in zip(workers, before, strict=True))
     assert served_by_authority(gateway) == own, "the authority apart answered a request itself"
-    assert max(seen) <= int(0.9 * BLOCKS) and sim.sim.preemptions_total == preempted  # strict: one ledger for all
+    assert peak <= int(0.9 * BLOCKS) and sim.sim.preemptions_total == preempted  # strict: one ledger for all
     gateway.wait_ledger_empty()
 
 
