@@ -290,7 +290,7 @@ def run(ctx: Context) -> Result:
             apart = mode == "apart"
             if name == "baseline" and apart:
                 continue  # a commit from before --authority: its authority always serves
-            # This tree's authority is set apart by default from 3 workers on: the mode is always said.
+            # The mode is always said to this tree's gateway (a baseline commit before --authority serves).
             chosen = ("--authority", mode) if name != "baseline" and n > 1 else ()
             gw = proxies.gateway(ctx, f"{name}-w{n}" + ("-apart" if apart else ""), [engine],
                                  flags=(*GATEWAY_FLAGS, "--workers", str(n), *chosen), tokenizer=tok, commit=commit,
