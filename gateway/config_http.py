@@ -21,6 +21,12 @@ MAX_BUFFERED_BYTES = 4 * 1024 * 1024
 KEEP_ALIVE_TIMEOUT = 120.0
 # All slow readers together: a quarter of what 2,048 connections (--max-connections) could each hold.
 MAX_TOTAL_BUFFERED_BYTES = 2 * 1024 * 1024 * 1024
+# --authority auto: the admission authority serves no requests of its own from this many workers on. With M
+# processes on M cores and the port spreading connections evenly, a serving authority's core is full at
+# M / (w + (M - 1) c) requests a second (its share, and the coordination c of every other's), an authority apart
+# (M workers, one process more) at min(M / (w + c), 1 / c) where the cores are M: equal at M = 2, higher from 3
+# on for any c < w. Measured c / w apart: 0.13-0.15 per short chat and per relayed token (docs/overhead.md).
+APART_FROM = 3
 
 
 class HttpFields(BaseModel):
@@ -45,21 +51,19 @@ class HttpFields(BaseModel):
             return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
         return int(self.workers)
 
-    # --authority apart pays from 3 workers on. With M processes on M cores and the port spreading connections
-    # evenly, a serving authority's core is full at M / (w + (M - 1) c) requests a second (its share, and the
-    # coordination c of every other's), an authority apart (M workers, one process more) at min(M / (w + c), 1 / c)
-    # where the cores are M: equal at M = 2, higher from 3 on for any c < w. Measured c / w: 0.13-0.15 apart, per chat
-    # and per token (docs/overhead.md). Not the default: a slow client's half-sent body is cut later than its limit when
-    # the authority is apart (the hostile suite with 3 workers), which is not yet understood.
-    authority: Literal["serving", "apart"] = Field(
-        "serving", description="With --workers 2 or more: whether the admission authority also accepts and relays "
-        "requests (serving: it is one of the --workers processes) or only admits for them (apart: one process more, "
-        "off the port), which raises the gateway's ceiling from 3 workers on (docs/operations/workers.md).",
+    authority: Literal["auto", "serving", "apart"] = Field(
+        "auto", description="With --workers 2 or more: whether the admission authority also accepts and relays "
+        "requests (serving: it is one of the --workers processes) or only admits for them (apart: one process "
+        "more, off the port). auto: apart from 3 workers on, where the coordination of the others' requests fills "
+        "the authority's core before the workers' cores are full (docs/overhead.md).",
     )
 
     def authority_apart(self) -> bool:
         """Whether the admission authority serves no requests of its own (``--authority``); never with one process."""
-        return self.authority == "apart" and self.worker_count() > 1
+        count = self.worker_count()
+        if count <= 1:
+            return False
+        return self.authority == "apart" or (self.authority == "auto" and count >= APART_FROM)
 
     # -- HTTP limits and timeouts -----------------------------------------------------------------
     max_body_bytes: int = Field(
@@ -130,7 +134,14 @@ class HttpFields(BaseModel):
     write_timeout: float = Field(
         30.0, gt=0, description="Seconds a client may accept no byte of an answer while the gateway has bytes "
         "waiting for it; then its connection is closed. On a busy host the time the host starved work of a CPU "
-        "(/proc/pressure/cpu) is not counted, up to four times this in all; so for --header-timeout and the body's.",
+        "(/proc/pressure/cpu) is not counted, up to --starved-stretch times this in all; so for --header-timeout "
+        "and the body's.",
+    )
+    starved_stretch: float = Field(
+        4.0, ge=0, le=100, description="The most a busy host stretches a client's connection timeouts "
+        "(--header-timeout, the body's, --write-timeout), as a multiple of each: the time the host starved work of "
+        "a CPU (/proc/pressure/cpu) is not counted against a client that may not have run. 0: every timeout by the "
+        "clock alone, on a busy host too (a hostile client is then cut on time, a starved one with it).",
     )
 
     # -- request templates ------------------------------------------------------------------------

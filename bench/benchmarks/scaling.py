@@ -274,6 +274,12 @@ def rows_of(where: str, load: str, roles: dict[str, int], procs: list[scaling.Pr
     return rows
 
 
+def knows_authority(commit: str) -> bool:
+    """Whether the gateway of ``commit`` has ``--authority`` (serving or apart)."""
+    config = proxies.source_at(commit)[0] / "gateway" / "config_http.py"
+    return config.is_file() and "def authority_apart" in config.read_text()
+
+
 def run(ctx: Context) -> Result:
     args = ctx.args
     loads = args.load or list(LOADS)
@@ -283,15 +289,18 @@ def run(ctx: Context) -> Result:
     tok = proxies.tokenizer_dir()
     table: list[str] = []
 
+    # A baseline commit from before --authority: its authority always serves, and is told no mode.
+    modes_of = {"gateway": True, "baseline": "baseline" in args.targets and knows_authority(args.baseline_commit)}
+
     def measure(name: str, turn: int) -> Figures:
         figures: Figures = {}
         commit = args.baseline_commit if name == "baseline" else None
         for n, mode in configurations(args.workers_list, modes):  # ascending: --workers 1 prices one process first
             apart = mode == "apart"
-            if name == "baseline" and apart:
-                continue  # a commit from before --authority: its authority always serves
-            # The mode is always said to this tree's gateway (a baseline commit before --authority serves).
-            chosen = ("--authority", mode) if name != "baseline" and n > 1 else ()
+            if apart and not modes_of[name]:
+                continue
+            # This tree's authority is set apart by default from 3 workers on: the mode is always said.
+            chosen = ("--authority", mode) if modes_of[name] and n > 1 else ()
             gw = proxies.gateway(ctx, f"{name}-w{n}" + ("-apart" if apart else ""), [engine],
                                  flags=(*GATEWAY_FLAGS, "--workers", str(n), *chosen), tokenizer=tok, commit=commit,
                                  cpus=cores_for(ctx, n))

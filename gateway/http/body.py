@@ -12,7 +12,7 @@ from starlette.responses import Response
 
 from gateway.config import Settings
 from gateway.errors import PayloadTooLarge, RequestTimeout
-from gateway.http.starved import Share, owed
+from gateway.http.starved import STRETCH, Share, owed
 
 # The connection cannot be reused once a body is refused part-way: the rest of it would be read as a request.
 
@@ -26,10 +26,12 @@ class BodyLimits:
     timeout: float
     min_rate: float
     grace: float
+    starved_stretch: float = STRETCH  # the most a starved host stretches ``due`` (``starved.owed``)
 
     @classmethod
     def of(cls, settings: Settings) -> BodyLimits:
-        return cls(settings.max_body_bytes, settings.body_timeout, settings.min_body_rate, settings.body_rate_grace)
+        return cls(settings.max_body_bytes, settings.body_timeout, settings.min_body_rate, settings.body_rate_grace,
+                   settings.starved_stretch)
 
     def due(self, size: int) -> float:
         """Seconds from the start by which a body of which ``size`` bytes arrived must have grown or ended."""
@@ -69,7 +71,7 @@ async def read_body(request: Request, limits: BodyLimits, clock: Callable[[], fl
                 )
             chunks.append(chunk)
         elapsed = clock() - start
-        if elapsed > limits.due(size) and not owed(limits.due(size), elapsed, share):
+        if elapsed > limits.due(size) and not owed(limits.due(size), elapsed, share, limits.starved_stretch):
             raise body_too_slow(limits, size, elapsed)
     return b"".join(chunks)
 

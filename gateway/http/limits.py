@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gateway.config import Settings
 from gateway.http.body import BodyLimits
+from gateway.http.starved import STRETCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +20,7 @@ class ConnectionLimits:
     max_connections: int
     body: BodyLimits
     write_timeout: float = 30.0
+    starved_stretch: float = STRETCH  # the most a starved host stretches each timeout (``starved.owed``)
 
     @classmethod
     def of(cls, settings: Settings) -> ConnectionLimits:
@@ -31,4 +33,5 @@ class ConnectionLimits:
             max_connections=-(-settings.max_connections // settings.worker_count()),
             body=BodyLimits.of(settings),
             write_timeout=settings.write_timeout,
+            starved_stretch=settings.starved_stretch,
         )

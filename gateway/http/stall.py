@@ -25,17 +25,17 @@ import select
 from collections.abc import Callable
 from typing import Any
 
-from gateway.http.starved import Share, owed
+from gateway.http.starved import STRETCH, Share, owed
 
 log = logging.getLogger(__name__)
 
 
-def due(since: float, deadline: float, now: float) -> float:
+def due(since: float, deadline: float, now: float, stretch: float = STRETCH) -> float:
     """When a connection's wait that began at ``since`` (a fresh connection's or a head's, from
     ``--header-timeout``; a body's) ends, given that its ``deadline`` passed at ``now``: later by what a starved
     host owes its client (``starved.owed``). A deadline still ahead stays. (The server's idle wait after an answer
     is judged as if it had lasted --header-timeout: a starved host adds a few seconds to the keep-alive at most.)"""
-    return deadline if deadline > now else now + owed(deadline - since, now - since)
+    return deadline if deadline > now else now + owed(deadline - since, now - since, stretch=stretch)
 
 
 def writable(transport: Any) -> bool:
@@ -53,13 +53,14 @@ class WriteStall:
     """``share`` (the host's starved share of a window) and ``ready`` (the socket has room) are injectable for
     tests; by default (None) the host's CPU pressure and a poll of the socket."""
 
-    __slots__ = ("_handle", "_left", "_loop", "_ready", "_seconds", "_share", "_since", "_transport")
+    __slots__ = ("_handle", "_left", "_loop", "_ready", "_seconds", "_share", "_since", "_stretch", "_transport")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, seconds: float, *, share: Share | None = None,
-                 ready: Callable[[Any], bool] = writable) -> None:
+                 ready: Callable[[Any], bool] = writable, stretch: float = STRETCH) -> None:
         self._loop = loop
         self._seconds = seconds
         self._share = share
+        self._stretch = stretch
         self._ready = ready
         self._transport: Any = None  # asyncio.Transport, or the server's wrapper of one
         self._handle: asyncio.TimerHandle | None = None
@@ -88,7 +89,7 @@ class WriteStall:
             self._arm()  # the client took some bytes since: slow, not stalled
             return
         elapsed = self._loop.time() - self._since
-        more = owed(self._seconds, elapsed, self._share)
+        more = owed(self._seconds, elapsed, self._share, self._stretch)
         if more > 0:
             # The host kept work from running for part of the wait: the client gets that time back, still
             # judged from its last progress.

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 from gateway.observe import cpu_pressure
 
-# The longest a starved host stretches a timeout, as a multiple of it (--header-timeout 10 s: 40 s at most;
-# --write-timeout 30 s: 120 s). What such a client holds meanwhile stays within the connection's limits
-# (--max-connections, --max-buffered-bytes).
+# The longest a starved host stretches a timeout by default, as a multiple of it (--starved-stretch; with
+# --header-timeout 10 s: 40 s at most; --write-timeout 30 s: 120 s). What such a client holds meanwhile stays
+# within the connection's limits (--max-connections, --max-buffered-bytes).
 STRETCH = 4.0
 # A re-check sooner than this is not worth a timer: the client's time is as good as used up.
 MIN_RECHECK = 0.05
@@ -27,15 +27,16 @@ MIN_RECHECK = 0.05
 Share = Callable[[float], float]
 
 
-def owed(limit: float, elapsed: float, share: Share | None = None) -> float:
+def owed(limit: float, elapsed: float, share: Share | None = None, stretch: float = STRETCH) -> float:
     """Seconds more that a client is owed before it missed a timeout of ``limit`` seconds, ``elapsed`` of which
     have passed (0: none, cut it): those of the wait in which the host starved work of a CPU, within
-    ``STRETCH`` times ``limit`` in all. On an idle host (or one whose pressure is unknown), 0. ``share``: the
-    host's starved share of a window (default ``cpu_pressure.starved_share``, looked up at each call)."""
-    if elapsed >= limit * STRETCH:
+    ``stretch`` times ``limit`` in all (``--starved-stretch``; 0: none owed). On an idle host (or one whose
+    pressure is unknown), 0. ``share``: the host's starved share of a window (default
+    ``cpu_pressure.starved_share``, looked up at each call)."""
+    if elapsed >= limit * stretch:
         return 0.0
     starved = (share or cpu_pressure.starved_share)(max(elapsed, 0.0))
     if starved <= 0.0:
         return 0.0
-    more = min(limit - elapsed * (1.0 - starved), limit * STRETCH - elapsed)
+    more = min(limit - elapsed * (1.0 - starved), limit * stretch - elapsed)
     return more if more >= MIN_RECHECK else 0.0

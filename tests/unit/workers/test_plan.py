@@ -178,10 +178,11 @@ def test_a_root_that_cannot_be_read_removes_nothing(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("workers", "authority", "apart", "started"),
     [
-        ("2", "serving", False, 1),  # the default: the authority is one of the N
-        ("8", "serving", False, 7),
-        ("2", "apart", True, 2),  # apart: N workers, the authority one process more
-        ("8", "apart", True, 8),
+        ("2", "auto", False, 1),  # a serving authority and one worker: the same bound as apart, one process less
+        ("3", "auto", True, 3),  # from three on the authority's core fills first: apart
+        ("8", "auto", True, 8),
+        ("4", "serving", False, 3),
+        ("2", "apart", True, 2),
     ],
 )
 def test_the_authority_serves_or_stands_apart_and_starts_a_worker_for_every_other_serving_process(
@@ -196,7 +197,7 @@ def test_the_authority_serves_or_stands_apart_and_starts_a_worker_for_every_othe
         plan.remove()
 
 
-@pytest.mark.parametrize("authority", ["serving", "apart"])
+@pytest.mark.parametrize("authority", ["auto", "serving", "apart"])
 def test_one_process_has_no_authority_to_set_apart(authority: str) -> None:
     settings = Settings(workers="1", authority=authority)
     assert not settings.authority_apart() and WorkerPlan.for_settings(settings) is None
