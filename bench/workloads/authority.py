@@ -4,13 +4,14 @@
 
 Run by ``python -m bench run authority`` with the gateway of this tree or of a commit first on the path. The
 authority's side of one worker's channel (``WorkerLink``) on a real ``Admission`` (a KV budget no short chat fills,
-no engine to scrape) is handed each request's frames as a worker writes them: its ``Admit``, then its ``Release``
-and ``End`` (what a short chat sends), ``--batch`` requests' frames in one read (a busy worker's reads carry
-several); the frames are encoded before the clock starts, and what the authority writes back is counted, not
-decoded. The process's CPU time per request, over ``--requests``: ``authority_b<B>`` for each batch size, and
-``alone``, the same admission entered and left directly (``async with`` the reservation, as one process does),
-whose difference is the channel's and the authority's own bookkeeping. Each figure includes the loop's turns
-between the reads (two after each read, as a reply's write waits for one): ``turns`` is their cost alone.
+no engine to scrape) is handed each request's frames as a worker writes them: its ``Admit``, then its ``End``
+with its release folded in (what a short chat sends; to a gateway from before the fold, a ``Release`` and an
+``End``), ``--batch`` requests' frames in one read (a busy worker's reads carry several); the frames are
+encoded before the clock starts, and what the authority writes back is counted, not decoded. The process's CPU
+time per request, over ``--requests``: ``authority_b<B>`` for each batch size, and ``alone``, the same admission
+entered and left directly (``async with`` the reservation, as one process does), whose difference is the
+channel's and the authority's own bookkeeping. Each figure includes the loop's turns between the reads (two after
+each read, as a reply's write waits for one): ``turns`` is their cost alone.
 """
 
 from __future__ import annotations
@@ -81,13 +82,20 @@ async def authority(requests: int, batch: int, prompt_tokens: int) -> float:
     link = WorkerLink(parts, Authority(parts, Path("/nonexistent")))  # type: ignore[arg-type]
     link.channel.connection_made(Sink())  # type: ignore[arg-type]
 
+    def ends(key: int) -> list[Any]:
+        """What the target's worker sends as a short chat ends: its release folded into its end where the target's
+        ``End`` carries one (one frame), else a ``Release`` and an ``End``."""
+        if "released" in End.__dataclass_fields__:
+            return [End(key, 0.0, (True, 16))]
+        return [Release(key, True, 16), End(key, 0.0)]
+
     def reads(first: int, count: int) -> list[tuple[bytes, bytes]]:
         out = []
         for start in range(first, first + count, batch):
             keys = range(start, min(start + batch, first + count))
             admits = [Admit(k, Booking(f"r{k}", prompt_tokens, 16, 1, 0, "default", 1.0, None, (), "m/chat", None,
                                        None, 0), None) for k in keys]
-            out.append((_frames(admits), _frames([m for k in keys for m in (Release(k, True, 16), End(k, 0.0))])))
+            out.append((_frames(admits), _frames([m for k in keys for m in ends(k)])))
         return out
 
     async def serve(frames: list[tuple[bytes, bytes]]) -> None:

@@ -8,6 +8,7 @@ and, per request, asks here what one process would have asked itself (``messages
     Admit {key, booking, tenant charge}  ->  Admitted {key, target, waited, headers} | Refused {key, error, headers}
     Progress {key: tokens, ...}, per engine {streams opened/closed, chunks, answers}   (batched, ~20 a second)
     Release {key, completed, generated}  ->  the blocks go back, the tenant is settled on End {key, queue_ms}
+    End {key, queue_ms, released}        ->  both at once, where the release and the end left in one write
 
 A request is named by the worker's key, unique on its channel; the client's ``x-request-id`` is only the
 reservation's label, so two requests that carry the same id (a retry reusing it) are two requests here, each
@@ -224,18 +225,14 @@ class WorkerLink:
     def _release(self, msg: Release) -> None:
         held = self.requests.get(msg.key)
         if held is not None:
-            attempt = held.attempt
-            attempt.completed, attempt.generated = msg.completed, msg.generated
-            if attempt.reservation is not None:  # the blocks go back now, before a task wakes
-                attempt.reservation.observe_output_tokens(attempt.generated)
-                attempt.reservation.release(completed=attempt.completed)
-            if attempt.done is not None:
-                attempt.done.set()
+            _give_back(held, msg.completed, msg.generated)
 
     def _end(self, msg: End) -> None:
         held = self.requests.pop(msg.key, None)
         if held is None:
             return
+        if msg.released is not None:  # its release, folded in
+            _give_back(held, *msg.released)
         if held.attempt.done is not None:
             held.attempt.done.set()  # its task releases what it still holds
         else:
@@ -294,6 +291,17 @@ class WorkerLink:
         for waiter in self._metrics.values():
             if not waiter.done():
                 waiter.set_result([])
+
+
+def _give_back(held: HeldRequest, completed: bool, generated: int) -> None:
+    """A worker released the request's reservation: its blocks go back now, before any task wakes."""
+    attempt = held.attempt
+    attempt.completed, attempt.generated = completed, generated
+    if attempt.reservation is not None:
+        attempt.reservation.observe_output_tokens(generated)
+        attempt.reservation.release(completed=completed)
+    if attempt.done is not None:
+        attempt.done.set()
 
 
 _HANDLERS: dict[type, Callable[[WorkerLink, Any], None]] = {

@@ -35,9 +35,11 @@ _HEADER = struct.Struct(">I")
 class Channel(asyncio.Protocol):
     """Framed messages both ways; ``on_message`` gets each one, ``on_lost`` the connection's end (once)."""
 
-    def __init__(self, on_message: Callable[[Message], None], on_lost: Callable[[], None]) -> None:
+    def __init__(self, on_message: Callable[[Message], None], on_lost: Callable[[], None],
+                 before_flush: Callable[[], None] | None = None) -> None:
         self._on_message = on_message
         self._on_lost = on_lost
+        self._before_flush = before_flush  # sends what its owner held back until the write (``wake``)
         self._buf = bytearray()
         self._out: list[bytes] = []
         self._transport: asyncio.Transport | None = None
@@ -98,11 +100,18 @@ class Channel(asyncio.Protocol):
         body = orjson.dumps(encode(message), option=orjson.OPT_NON_STR_KEYS)  # engines and keys by number
         self._out.append(_HEADER.pack(len(body)))
         self._out.append(body)
+        self.wake()
+
+    def wake(self) -> None:
+        """The next write is due (this loop iteration's, sent by a ``call_soon``), with or without a message sent
+        meanwhile: ``before_flush`` then sends what its owner held back."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
 
     def _flush(self) -> None:
+        if self._before_flush is not None and not self.closed:
+            self._before_flush()
         self._flush_scheduled = False
         if not self._out or self._transport is None or self.closed:
             return

@@ -1,4 +1,4 @@
-"""What crosses between a worker and the admission authority: one frozen dataclass per kind of message.
+"""What crosses between a worker and the admission authority: one dataclass per kind of message, read-only to mypy.
 
 Every request on the channel is named by a **key** the worker makes (a counter of its own, unique on its channel),
 never by the client's ``x-request-id``: two requests may carry the same id (a retry that reuses it), and keyed by
@@ -10,7 +10,7 @@ it the second would take the first's place and strand its reservation. The clien
     Withdraw {key}                                   Refused {key, error, headers}
     Progress {tokens by key, moves by engine}        State {engines, supervisors, capacity}
     Release {key, completed, generated}              MetricsAsk {ask}
-    End {key, queue_ms}                              Alive {}   (every ``ALIVE_EVERY`` seconds)
+    End {key, queue_ms, released}                    Alive {}   (every ``ALIVE_EVERY`` seconds)
     Rejected, Serving, Access {lines}, MetricsReply
 
 A frame is ``[kind, [fields...]]`` (``codec.py``); ``decode`` checks every field of a message against its type
@@ -32,7 +32,7 @@ from __future__ import annotations
 import typing
 from array import array
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar, dataclass_transform
 
 from gateway import errors
 from gateway.admission.destination import Destination
@@ -44,9 +44,21 @@ from gateway.workers.codec import Decode, Encode, Malformed, decoder, encoder
 
 ALIVE_EVERY = 0.5  # seconds between the authority's heartbeats (``remote.py`` judges their absence)
 
+_T = TypeVar("_T")
+
+
+@dataclass_transform(frozen_default=True)
+def message(cls: type[_T]) -> type[_T]:
+    """A dataclass with slots, read-only to mypy (``frozen_default``: assigning a field is a type error, which CI's
+    strict mypy refuses) and not frozen at run time: a frozen dataclass sets each field through
+    ``object.__setattr__``, and both ends build one for every message that crosses. Built 200,000 times, best of 5
+    (CPython 3.11, the 2-core machine): a 13-field ``Booking`` 3.54 us frozen against 0.56 us not; a short chat's
+    four messages built at each end cost about 5 us less on each."""
+    return dataclass(slots=True)(cls)
+
 
 # -- what a message carries ---------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@message
 class ErrorData:
     """A ``GatewayError`` as it crosses: its class's name and its plain attributes (message, code, retry_after)."""
 
@@ -54,7 +66,7 @@ class ErrorData:
     fields: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Booking:
     """What a reservation books (``Admission.reservation``'s arguments)."""
 
@@ -73,7 +85,7 @@ class Booking:
     min_output: int
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Charge:
     """A request's charge to its tenant's windows, made with its first admission."""
 
@@ -82,7 +94,7 @@ class Charge:
     output_tokens: int
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class EngineState:
     hung: bool
     detail: str | None
@@ -93,7 +105,7 @@ class EngineState:
     models: tuple[ServedModel, ...] | None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class SupervisorState:
     state: str
     retry_after: float
@@ -101,7 +113,7 @@ class SupervisorState:
 
 
 # -- worker -> authority ------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@message
 class Admit:
     KIND: ClassVar[str] = "admit"
     key: int
@@ -109,13 +121,13 @@ class Admit:
     charge: Charge | None  # the first admission of a request only (a failover's second is not charged again)
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Withdraw:
     KIND: ClassVar[str] = "withdraw"
     key: int
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Progress:
     KIND: ClassVar[str] = "progress"
     tokens: dict[int, int]  # key -> tokens generated so far
@@ -123,7 +135,7 @@ class Progress:
     fingerprints: dict[int, str | None]  # engine -> its system_fingerprint, learned here
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Release:
     KIND: ClassVar[str] = "release"
     key: int
@@ -131,26 +143,31 @@ class Release:
     generated: int
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class End:
+    """The request is over. ``released``: its last ``Release`` folded in, (completed, generated), where the worker
+    still held it when the request ended (a short chat's release and end leave in one write: one frame, not two);
+    None where it was sent on its own (a stream whose client was still reading, a failover's first attempt)."""
+
     KIND: ClassVar[str] = "end"
     key: int
     queue_ms: float
+    released: tuple[bool, int] | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Rejected:
     KIND: ClassVar[str] = "rejected"
     tenant: str
     reason: str
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Serving:
     KIND: ClassVar[str] = "serving"
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Access:
     """Access-log lines the worker formatted and redacted, each ending in a newline, for the authority to write."""
 
@@ -158,7 +175,7 @@ class Access:
     lines: str
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class MetricsReply:
     KIND: ClassVar[str] = "metrics_reply"
     ask: int
@@ -166,7 +183,7 @@ class MetricsReply:
 
 
 # -- authority -> worker ------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@message
 class Admitted:
     KIND: ClassVar[str] = "admitted"
     key: int
@@ -175,7 +192,7 @@ class Admitted:
     target: Destination | None
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Refused:
     KIND: ClassVar[str] = "refused"
     key: int
@@ -183,7 +200,7 @@ class Refused:
     headers: dict[str, str]
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class State:
     """What the request path reads of the engines, as the authority sees them (``mirror.py``)."""
 
@@ -194,13 +211,13 @@ class State:
     sharing: bool
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class MetricsAsk:
     KIND: ClassVar[str] = "metrics"
     ask: int
 
 
-@dataclass(frozen=True, slots=True)
+@message
 class Alive:
     """The authority's heartbeat: a worker that hears nothing for a while refuses what would wait on it."""
 

@@ -72,13 +72,16 @@ class AuthorityClient:
         self.settings = settings
         self.mirror = Mirror()
         self.supervisors: list[SupervisorMirror] = []
-        self.channel = Channel(self._on_message, self._on_lost)
+        self.channel = Channel(self._on_message, self._on_lost, self._send_releases)
         loop = asyncio.get_running_loop()
         self.liveness = Liveness(lambda: self.channel.heard_at, loop.time, self._refuse_waiting)
         self.state_seen = asyncio.Event()
         self.lost = asyncio.Event()
         self._keys = itertools.count(1)
         self._known: set[int] = set()  # keys the authority was told of and not yet told the end of
+        # Releases held back until this iteration's write, so that a request's end in the same iteration carries
+        # its release (one frame, ``End.released``; the authority decodes and handles one frame less a short chat).
+        self._releasing: dict[int, Release] = {}
         self._replies: dict[int, asyncio.Future[Admitted | Refused]] = {}
         self._tokens: dict[int, int] = {}
         self._engines: dict[int, list[int]] = {}  # engine -> [opened - closed, chunks, answers] since last sent
@@ -130,6 +133,9 @@ class AuthorityClient:
             raise refusal
         waiter = self._replies[key] = asyncio.get_running_loop().create_future()
         self._known.add(key)
+        held = self._releasing.pop(key, None)
+        if held is not None:  # a failover's second attempt: the first one's release goes first
+            self.channel.send(held)
         self.channel.send(Admit(key, booking, charge))
         try:
             return await self._answer(waiter, booking)
@@ -155,11 +161,26 @@ class AuthorityClient:
             )
         return waiter.result()
 
+    def release(self, message: Release) -> None:
+        """Give back a request's reservation: with this iteration's write, folded into its ``End`` if that comes
+        first (``_send_releases``)."""
+        self._releasing[message.key] = message
+        self.channel.wake()
+
+    def _send_releases(self) -> None:
+        """The releases no ``End`` took up, as this iteration's write goes out."""
+        if self._releasing:
+            releases, self._releasing = self._releasing, {}
+            for message in releases.values():
+                self.channel.send(message)
+
     def end(self, key: int, queue_ms: float) -> None:
-        """The request is over: the authority settles its tenant and forgets it."""
+        """The request is over: the authority settles its tenant and forgets it (and gives back its reservation,
+        if it was released in this iteration)."""
         if key in self._known:
             self._known.discard(key)
-            self.channel.send(End(key, queue_ms))
+            held = self._releasing.pop(key, None)
+            self.channel.send(End(key, queue_ms, None if held is None else (held.completed, held.generated)))
 
     def progress(self, key: int, generated: int) -> None:
         self._tokens[key] = generated
@@ -256,7 +277,7 @@ class RemoteReservation:
         if self._released:
             return
         self._released = True
-        self._client.send(Release(self.key, completed, self.generated))
+        self._client.release(Release(self.key, completed, self.generated))
 
 
 class RemoteAdmission:

@@ -39,6 +39,7 @@ class Booked:
         self.queue_ms = 0.0
         self.held = False
         self.released: bool | None = None  # completed, once released
+        self.generated = 0
 
     async def __aenter__(self) -> Booked:
         self.held = True
@@ -48,7 +49,7 @@ class Booked:
         self.held = False
 
     def observe_output_tokens(self, generated: int) -> None:
-        pass
+        self.generated = max(self.generated, generated)
 
     def sent(self) -> None:
         pass
@@ -107,16 +108,26 @@ async def turns(n: int = 5) -> None:
         await asyncio.sleep(0)
 
 
-async def test_two_requests_with_one_client_id_are_each_charged_held_and_released(world: SimpleNamespace) -> None:
+ENDS = {
+    "released-then-ended": lambda key, completed, generated: [Release(key, completed, generated), End(key, 0.0)],
+    "ended-with-its-release-folded-in": lambda key, completed, generated: [End(key, 0.0, (completed, generated))],
+}
+
+
+@pytest.mark.parametrize("ends", [pytest.param(v, id=k) for k, v in ENDS.items()])
+async def test_two_requests_with_one_client_id_are_each_charged_held_and_released(
+    world: SimpleNamespace, ends: Any
+) -> None:
     charge = Charge("search", 16, 32)
     receive(world, Admit(1, booking("retry-1"), charge), Admit(2, booking("retry-1"), charge))
     await turns()
     assert [b.held for b in world.booked] == [True, True] and [b.request_id for b in world.booked] == ["retry-1"] * 2
     assert world.tenants.charged == [charge, charge]
     assert [(m.key, type(m)) for m in world.wire.sent()] == [(1, Admitted), (2, Admitted)]
-    receive(world, Release(1, True, 30), End(1, 0.0), Release(2, False, 3), End(2, 0.0))
+    receive(world, *ends(1, True, 30), *ends(2, False, 3))
     await turns()
     assert [b.released for b in world.booked] == [True, False] and not any(b.held for b in world.booked)
+    assert [b.generated for b in world.booked] == [30, 3]
     assert world.link.requests == {}
 
 

@@ -77,6 +77,25 @@ async def test_what_one_loop_turn_sends_goes_in_one_write() -> None:
     assert transport.writes == [STREAM]
 
 
+async def test_what_its_owner_held_back_goes_in_the_write_a_wake_asked_for() -> None:
+    held: list[Message] = []
+
+    def send_held() -> None:
+        while held:
+            channel.send(held.pop(0))
+
+    channel, transport = Channel(lambda m: None, lambda: None, send_held), Transport()
+    channel.connection_made(transport)  # type: ignore[arg-type]
+    held += MESSAGES[1:]
+    channel.send(MESSAGES[0])
+    channel.wake()  # once, whatever the number of asks
+    await asyncio.sleep(0)
+    assert transport.writes == [STREAM] and not held
+    channel.wake()  # nothing held, nothing sent: no write
+    await asyncio.sleep(0)
+    assert transport.writes == [STREAM]
+
+
 async def test_what_is_sent_before_the_connection_is_made_waits_for_it() -> None:
     rec = Recorder()
     channel, transport = rec.channel(), Transport()

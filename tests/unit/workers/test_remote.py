@@ -78,8 +78,44 @@ async def test_two_requests_with_one_client_id_are_two_keys_on_the_channel(
     for hold, g in zip(holds, grants, strict=True):
         await hold.__aexit__(None, None, None)
         g.settle(1.0)
-    assert await sent(wire) == [Release(keys[0], False, 0), End(keys[0], 1.0), Release(keys[1], False, 0),
-                                End(keys[1], 1.0)]
+    assert await sent(wire) == [End(keys[0], 1.0, (False, 0)), End(keys[1], 1.0, (False, 0))]
+
+
+async def admitted_hold(client: AuthorityClient, wire: Transport) -> tuple[RemoteGrant, RemoteReservation, Any]:
+    g, reservation = grant(client), booked(client)
+    hold = g.admit(reservation, lambda: None)
+    entering = asyncio.create_task(hold.__aenter__())
+    await sent(wire)
+    answer(client, Admitted(g.key, 0.0, {}, None))
+    await entering
+    return g, reservation, hold
+
+
+@pytest.mark.parametrize(("turns_between", "expected"), [
+    pytest.param(0, lambda key: [End(key, 2.0, (True, 7))], id="ended-in-the-same-turn-one-frame"),
+    pytest.param(3, lambda key: [Release(key, True, 7), End(key, 2.0, None)], id="ended-turns-later-two-frames"),
+])
+async def test_a_release_rides_in_its_requests_end_when_both_leave_in_one_write(
+    client: AuthorityClient, wire: Transport, turns_between: int, expected: Any
+) -> None:
+    g, reservation, hold = await admitted_hold(client, wire)
+    reservation.observe_output_tokens(7)
+    reservation.release(completed=True)
+    for _ in range(turns_between):  # the release's write went out meanwhile (a stream whose client still reads)
+        await asyncio.sleep(0)
+    await hold.__aexit__(None, None, None)
+    g.settle(2.0)
+    assert [m for m in await sent(wire) if not isinstance(m, Progress)] == expected(g.key)
+
+
+async def test_a_release_held_for_the_write_goes_out_with_it_when_no_end_comes(
+    client: AuthorityClient, wire: Transport
+) -> None:
+    g, _, hold = await admitted_hold(client, wire)
+    await hold.__aexit__(None, None, None)  # released (not completed); the request goes on
+    assert await sent(wire) == [Release(g.key, False, 0)]
+    g.settle(0.5)
+    assert await sent(wire) == [End(g.key, 0.5, None)]
 
 
 async def test_the_charge_rides_until_the_authority_has_seen_the_request(
