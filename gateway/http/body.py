@@ -26,7 +26,7 @@ class BodyLimits:
     timeout: float
     min_rate: float
     grace: float
-    starved_stretch: float = STRETCH  # the most a starved host stretches ``due`` (``starved.owed``)
+    stretch: float = STRETCH  # --starved-stretch: the most a starved host stretches ``due``
 
     @classmethod
     def of(cls, settings: Settings) -> BodyLimits:
@@ -71,7 +71,7 @@ async def read_body(request: Request, limits: BodyLimits, clock: Callable[[], fl
                 )
             chunks.append(chunk)
         elapsed = clock() - start
-        if elapsed > limits.due(size) and not owed(limits.due(size), elapsed, share, limits.starved_stretch):
+        if elapsed > limits.due(size) and not owed(limits.due(size), elapsed, share, limits.stretch):
             raise body_too_slow(limits, size, elapsed)
     return b"".join(chunks)
 

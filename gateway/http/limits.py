@@ -20,7 +20,7 @@ class ConnectionLimits:
     max_connections: int
     body: BodyLimits
     write_timeout: float = 30.0
-    starved_stretch: float = STRETCH  # the most a starved host stretches each timeout (``starved.owed``)
+    stretch: float = STRETCH  # --starved-stretch: the most a starved host stretches each timeout
 
     @classmethod
     def of(cls, settings: Settings) -> ConnectionLimits:
@@ -33,5 +33,5 @@ class ConnectionLimits:
             max_connections=-(-settings.max_connections // settings.worker_count()),
             body=BodyLimits.of(settings),
             write_timeout=settings.write_timeout,
-            starved_stretch=settings.starved_stretch,
+            stretch=settings.starved_stretch,
         )

@@ -118,7 +118,7 @@ class GuardProtocol(HttpToolsProtocol):
         self._deferred: GatewayError | None = None  # a refusal waiting for the answer before it
         self._uploading = False  # lingering, the client was sending a body: its bytes extend the linger
         self._late_read = False  # the current head's or body's deadline was deferred for unread bytes (once)
-        self._stall = WriteStall(self.loop, self.limits.write_timeout, stretch=self.limits.starved_stretch)
+        self._stall = WriteStall(self.loop, self.limits.write_timeout, stretch=self.limits.stretch)
         self._on_lost: Callable[[], None] | None = None  # a stream's to call when the client goes away
         self._private = False  # on the private app socket: a worker's, not a client's
 
@@ -138,8 +138,7 @@ class GuardProtocol(HttpToolsProtocol):
         if deadline is None or self.parser is None:
             return
         since = self._body_start if self._phase == _BODY else deadline - self.limits.header_timeout
-        if self._phase < _BUSY:  # a starved client's time back
-            deadline = due(since, deadline, self.loop.time(), self.limits.starved_stretch)
+        deadline = due(since, deadline, self.loop.time(), self.limits.stretch) if self._phase < _BUSY else deadline
         if deadline - self.loop.time() > 0.005:  # the phase moved on since the timer was set, or the host starved
             self._timer = self.loop.call_at(deadline, self._on_timer)
             self._timer_at = deadline

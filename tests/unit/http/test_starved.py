@@ -49,7 +49,7 @@ def test_the_stretch_reaches_every_connection_timeout_from_the_settings(stretch:
                                                                         expected: float) -> None:
     settings = Settings() if stretch is None else Settings(starved_stretch=stretch)
     limits = ConnectionLimits.of(settings)
-    assert (limits.starved_stretch, limits.body.starved_stretch) == (expected, expected)
+    assert (limits.stretch, limits.body.stretch) == (expected, expected)
 
 
 def test_the_host_pressure_is_read_from_psi_by_window(tmp_path: Path) -> None:
@@ -184,7 +184,7 @@ def body_arriving(chunks: list[bytes]) -> Request:
 async def test_a_body_late_while_its_host_starved_is_read_and_one_late_on_an_idle_host_is_not(
     share: float, stretch: float, refused: bool
 ) -> None:
-    limits = BodyLimits(max_bytes=1 << 20, timeout=30.0, min_rate=1024.0, grace=5.0, starved_stretch=stretch)
+    limits = BodyLimits(max_bytes=1 << 20, timeout=30.0, min_rate=1024.0, grace=5.0, stretch=stretch)
     times = iter([0.0, 1.0, 8.0])  # the start, the first chunk, the last one 8 s in: past 5 s + 2 KiB / 1 KiB/s
     request = body_arriving([b"x" * 1024, b"y" * 1024])
     if refused:
