@@ -4,14 +4,15 @@
 
 Run by ``python -m bench run authority`` with the gateway of this tree or of a commit first on the path. The
 authority's side of one worker's channel (``WorkerLink``) on a real ``Admission`` (a KV budget no short chat fills,
-no engine to scrape) is handed each request's frames as a worker writes them: its ``Admit``, then its ``End``
-with its release folded in (what a short chat sends; to a gateway from before the fold, a ``Release`` and an
-``End``), ``--batch`` requests' frames in one read (a busy worker's reads carry several); the frames are
-encoded before the clock starts, and what the authority writes back is counted, not decoded. The process's CPU
-time per request, over ``--requests``: ``authority_b<B>`` for each batch size, and ``alone``, the same admission
-entered and left directly (``async with`` the reservation, as one process does), whose difference is the
-channel's and the authority's own bookkeeping. Each figure includes the loop's turns between the reads (two after
-each read, as a reply's write waits for one): ``turns`` is their cost alone.
+no engine to scrape) and the tenants of a gateway without a keys file (each request charged to the default tenant
+and settled, as a worker's ``Charge`` asks) is handed each request's frames as a worker writes them: its
+``Admit``, then its ``End`` with its release folded in (what a short chat sends; to a gateway from before the
+fold, a ``Release`` and an ``End``), ``--batch`` requests' frames in one read (a busy worker's reads carry
+several); the frames are encoded before the clock starts, and what the authority writes back is counted, not
+decoded. The process's CPU time per request, over ``--requests``: ``authority_b<B>`` for each batch size, and
+``alone``, the same admission entered and left directly (``async with`` the reservation, as one process does), whose
+difference is the channel's and the authority's own bookkeeping. Each figure includes the loop's turns between the
+reads (two after each read, as a reply's write waits for one): ``turns`` is their cost alone.
 """
 
 from __future__ import annotations
@@ -58,12 +59,21 @@ def _frames(messages: list[Any]) -> bytes:
 
 
 def _admission() -> Any:
+    return _parts().admission
+
+
+def _parts() -> Any:
+    """What the authority is handed in a gateway without a keys file: a real ``Admission`` and the tenants (every
+    request the default tenant's, charged and settled as the gateway does)."""
     from gateway.admission.controller import Admission
     from gateway.config import Settings
     from gateway.metrics import Metrics
+    from gateway.tenants.service import Tenants
 
     settings = Settings.model_validate({"kv_blocks": 10_000_000, "block_size": 16})
-    return Admission(settings, None, Metrics())
+    metrics = Metrics()
+    return SimpleNamespace(admission=Admission(settings, None, metrics), tenants=Tenants(settings, metrics),
+                           every_engine=lambda: [], access_log=SimpleNamespace(write_lines=lambda lines: None))
 
 
 async def _turns() -> None:
@@ -74,11 +84,10 @@ async def _turns() -> None:
 async def authority(requests: int, batch: int, prompt_tokens: int) -> float:
     """CPU us per request the authority spends on a worker's short chat (its frames ``batch`` to a read)."""
     from gateway.workers.authority import Authority, WorkerLink
-    from gateway.workers.messages import Admit, Booking, End, Release
+    from gateway.workers.messages import Admit, Booking, Charge, End, Release
 
-    admission = _admission()
-    parts = SimpleNamespace(admission=admission, tenants=None, every_engine=lambda: [],
-                            access_log=SimpleNamespace(write_lines=lambda lines: None))
+    parts = _parts()
+    admission = parts.admission
     link = WorkerLink(parts, Authority(parts, Path("/nonexistent")))  # type: ignore[arg-type]
     link.channel.connection_made(Sink())  # type: ignore[arg-type]
 
@@ -94,7 +103,7 @@ async def authority(requests: int, batch: int, prompt_tokens: int) -> float:
         for start in range(first, first + count, batch):
             keys = range(start, min(start + batch, first + count))
             admits = [Admit(k, Booking(f"r{k}", prompt_tokens, 16, 1, 0, "default", 1.0, None, (), "m/chat", None,
-                                       None, 0), None) for k in keys]
+                                       None, 0), Charge("default", prompt_tokens, 16)) for k in keys]
             out.append((_frames(admits), _frames([m for k in keys for m in ends(k)])))
         return out
 

@@ -32,8 +32,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Final, Protocol
 
 from gateway.admission.engine_wait import EngineQueueWait
 from gateway.admission.pace import Pace
@@ -64,29 +63,51 @@ class Deadlined(Protocol):
     def objective(self) -> float | None: ...
 
 
-@dataclass(frozen=True)
 class WaitLimit:
     """How long a request may wait in the queue, and whether its own deadline (rather than ``--queue-timeout``)
-    sets that."""
+    sets that. Never changed once built (``but`` makes a changed copy).
 
-    seconds: float
-    own: bool
-    engine_seconds: float  # the engine's time to a first token it allows for
-    derived: bool = False  # the objective the gateway derives under a sustained overload sets it (``sustained``)
-    backlogged: bool = False  # it arrived while a request queued before it had waited past the derived wait
-    # Where an objective (the request's own, the operator's or the derived one) sets the wait, the limit that holds
-    # once the request is queued: the client's own deadline or ``--queue-timeout``. None: this one holds throughout.
-    then: WaitLimit | None = None
-    # The operator's objective, or the derived one, that judged it as it arrived: once queued it is refused as soon
-    # as its wait so far and the engine's time to a first token now pass it (``Deadlines.late``). None: no such.
-    objective: float | None = None
-    # Under a sustained overload, the wait ahead in the engine's own queue that was taken from the derived wait.
-    engine_queue: float = 0.0
+    A plain class, not a frozen dataclass: one is built for every arrival, and a dataclass's ``__init__`` is not
+    compiled by mypyc (``gateway/native.py``): it ran as Python, each field set through ``object.__setattr__``,
+    11,500 instructions a request of an admission's 138,700 (callgrind, an arrival and its release in-process);
+    compiled, with its fields ``Final``, it is a native constructor."""
+
+    def __init__(
+        self, seconds: float, own: bool, engine_seconds: float, derived: bool = False, backlogged: bool = False,
+        then: WaitLimit | None = None, objective: float | None = None, engine_queue: float = 0.0,
+    ) -> None:
+        self.seconds: Final = seconds
+        self.own: Final = own
+        self.engine_seconds: Final = engine_seconds  # the engine's time to a first token it allows for
+        # The objective the gateway derives under a sustained overload sets it (``sustained``).
+        self.derived: Final = derived
+        # It arrived while a request queued before it had waited past the derived wait.
+        self.backlogged: Final = backlogged
+        # Where an objective (the request's own, the operator's or the derived one) sets the wait, the limit that
+        # holds once the request is queued: the client's own deadline or ``--queue-timeout``. None: this one holds
+        # throughout.
+        self.then: Final = then
+        # The operator's objective, or the derived one, that judged it as it arrived: once queued it is refused as
+        # soon as its wait so far and the engine's time to a first token now pass it (``Deadlines.late``). None: no
+        # such.
+        self.objective: Final = objective
+        # Under a sustained overload, the wait ahead in the engine's own queue that was taken from the derived wait.
+        self.engine_queue: Final = engine_queue
+
+    def but(self, *, backlogged: bool, then: WaitLimit | None, objective: float | None) -> WaitLimit:
+        """A copy with these three set (each given, changed or not)."""
+        return WaitLimit(self.seconds, self.own, self.engine_seconds, self.derived, backlogged, then, objective,
+                         self.engine_queue)
 
     @property
     def queued(self) -> WaitLimit:
         """The limit that holds once the request is queued."""
         return self.then if self.then is not None else self
+
+    def __repr__(self) -> str:
+        return (f"WaitLimit(seconds={self.seconds!r}, own={self.own!r}, engine_seconds={self.engine_seconds!r}, "
+                f"derived={self.derived!r}, backlogged={self.backlogged!r}, then={self.then!r}, "
+                f"objective={self.objective!r}, engine_queue={self.engine_queue!r})")
 
 
 class FirstTokens:
@@ -153,6 +174,7 @@ class Deadlines:
         happened (a queued request refused once known late, the pace), and the overload stays sustained while
         arrivals are refused; off, it judges arrivals only."""
         self.queue_timeout = queue_timeout
+        self._plain = WaitLimit(queue_timeout, False, 0.0)  # ``_limit``'s usual answer
         self.objective = objective if isinstance(objective, int | float) else None
         self.feedback = feedback
         self.sustained = SustainedOverload(enabled=objective == "auto", refusals_count=feedback)
@@ -176,15 +198,19 @@ class Deadlines:
             self.sustained.arrived_into_backlog(r, self._clock())
         if not backlogged and limit.then is None and not limit.backlogged:
             return limit  # the usual case, as it is: no copies made on every arrival
-        then = replace(limit.then, backlogged=backlogged, objective=limit.objective) if limit.then else None
-        return replace(limit, backlogged=backlogged, then=then)
+        then = limit.then.but(backlogged=backlogged, then=limit.then.then, objective=limit.objective) \
+            if limit.then else None
+        return limit.but(backlogged=backlogged, then=then, objective=limit.objective)
 
     def _limit(self, r: Deadlined, in_flight: int) -> WaitLimit:
         # The request's own objective and the operator's are both aims: the earlier of them judges its arrival.
         own = [d for d in (r.deadline, r.objective, self.objective) if d is not None]
         derived = self.sustained.applies(self._clock())
-        if not own and not derived:
-            return WaitLimit(self.queue_timeout, False, 0.0)
+        if not own and not derived:  # the usual case: the same limit for every arrival, built once
+            plain = self._plain
+            if plain.seconds != self.queue_timeout:
+                plain = self._plain = WaitLimit(self.queue_timeout, False, 0.0)
+            return plain
         engine = self.engine_seconds(in_flight)
         allowed = min(own) - engine if own else math.inf
         # An objective is the gateway's aim, not the client's deadline: it judges a request as it arrives (refused
@@ -207,8 +233,9 @@ class Deadlines:
             limit = WaitLimit(allowed, True, engine)
         else:
             return WaitLimit(self.queue_timeout, False, engine)
-        limit = replace(limit, objective=min(aims, default=None))
-        return replace(limit, then=then) if then.seconds > limit.seconds else limit
+        objective = min(aims, default=None)
+        return limit.but(backlogged=limit.backlogged, then=then if then.seconds > limit.seconds else None,
+                         objective=objective)
 
     def objective_now(self) -> float | None:
         """The objective every arriving request is held to now: the operator's, else the derived one while an

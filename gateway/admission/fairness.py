@@ -57,7 +57,13 @@ class FairShare:
         """``tenant`` starts waiting while ``backlogged`` (the others) wait: lift its counter so that it cannot
         spend credit saved while it was idle."""
         self._weights[tenant] = weight
-        floor = min((self.counter(t) for t in backlogged), default=None)
+        # The least counter of those waiting: a loop, not ``min`` over a generator (an object and its frame each
+        # time a tenant starts waiting, as every request arriving at an empty queue does).
+        floor: float | None = None
+        for t in backlogged:
+            counter = self.counter(t)
+            if floor is None or counter < floor:
+                floor = counter
         if floor is None and self._last_idle is not None:
             floor = self.counter(self._last_idle)
         self._counters[tenant] = max(self.counter(tenant), floor or 0.0)

@@ -33,8 +33,9 @@ class TenantLimits(BaseModel):
     @property
     def windowed(self) -> bool:
         """Whether a request has anything to check against the windows (else the check costs nothing)."""
-        return any(v is not None for v in (self.requests_per_minute, self.tokens_per_minute,
-                                           self.concurrent_requests))
+        # Read twice a request: ``or`` over the fields, not ``any`` over a generator (a frame of its own each time).
+        return self.requests_per_minute is not None or self.tokens_per_minute is not None or \
+            self.concurrent_requests is not None
 
 
 NO_LIMITS = TenantLimits()

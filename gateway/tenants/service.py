@@ -38,6 +38,9 @@ LIMIT_WORDS = {
 }
 
 
+_NO_KEYS = KeyDirectory()  # a gateway without a keys file: read for every request, built once (it is never changed)
+
+
 class Booked(Protocol):
     """A reservation, as a grant sees it: entered to be admitted, its blocks, what it generated."""
 
@@ -78,7 +81,7 @@ class Tenants:
     # -- keys ---------------------------------------------------------------------------------------
     @property
     def directory(self) -> KeyDirectory:
-        return self._file.current if self._file is not None else KeyDirectory()
+        return self._file.current if self._file is not None else _NO_KEYS
 
     def identify(self, digest: bytes) -> Tenant | None:
         """The tenant of the keys file's key with this SHA-256 digest (compared with every key)."""

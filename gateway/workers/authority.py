@@ -101,12 +101,13 @@ class WorkerLink:
         handler(self, msg)
 
     def _admit(self, msg: Admit) -> None:
+        attempt = Attempt()
         held = self.requests.get(msg.key)
         if held is None:
-            held = self.requests[msg.key] = HeldRequest()
+            held = self.requests[msg.key] = HeldRequest(attempt)
         else:
             held.attempt.drop()  # a worker admits a request again only once it released it: never two
-        attempt = held.attempt = Attempt()
+            held.attempt = attempt
         if not self._admit_now(msg, held, attempt):
             self._spawn(attempt, self._serve(msg, held, attempt), "worker-admit")
 

@@ -35,9 +35,9 @@ class HeldRequest:
 
     __slots__ = ("attempt", "grant")
 
-    def __init__(self) -> None:
+    def __init__(self, attempt: Attempt) -> None:
         self.grant: Granted | None = None
-        self.attempt = Attempt()
+        self.attempt = attempt
 
 
 def booked(b: Booking) -> dict[str, Any]:
