@@ -42,8 +42,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 from gateway.admission.queue import Waiting
 
@@ -78,11 +77,13 @@ class Late(Generic[W]):
         self.behind = behind  # arriving behind a request already past the time its objective gave it
 
 
-@dataclass(frozen=True)
 class _Release:
-    at: float
-    backlog: float  # the backlog clock at the release
-    blocks: int
+    """One release during a backlog: a plain class (compiled), not a frozen dataclass (``pace._Sample``'s note)."""
+
+    def __init__(self, at: float, backlog: float, blocks: int) -> None:
+        self.at: Final = at
+        self.backlog: Final = backlog  # the backlog clock at the release
+        self.blocks: Final = blocks
 
 
 class ReleaseRate:

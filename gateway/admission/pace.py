@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from typing import Final
 
 WINDOW_SECONDS = 10.0
 STEP_SECONDS = 1.0
@@ -48,11 +48,15 @@ INCREASE = 0.05
 MIN_CAP = 2
 
 
-@dataclass(frozen=True)
 class _Sample:
-    admitted_at: float
-    engine: float  # seconds from the request's write to its engine to the first token
-    missed: bool | None  # its first token came past its objective; None: no objective judged it as it arrived
+    """One first token. A plain class (compiled), not a frozen dataclass, whose ``__init__`` ran as Python, each
+    field set through ``object.__setattr__``, for every first token (``WaitLimit``'s note)."""
+
+    def __init__(self, admitted_at: float, engine: float, missed: bool | None) -> None:
+        self.admitted_at: Final = admitted_at
+        self.engine: Final = engine  # seconds from the request's write to its engine to the first token
+        # Its first token came past its objective; None: no objective judged it as it arrived.
+        self.missed: Final = missed
 
 
 class Pace:
