@@ -3,13 +3,13 @@
 The engine's time to a first token is a quantile over every first token of the last ten seconds
 (``deadlines.FirstTokens``): as many values as first tokens a second, times ten. One sorted list moved every value
 after the place of each insertion and each removal, so a sample's cost grew with the rate: compiled, a sample with
-the window's removals took 2.8 us at 300 first tokens a second, 8.9 us at 3,000 (30,000 values) and 19.7 us at
-10,000, and at three workers' rate it was a tenth of the authority's time. Here the values are sorted chunks of at
-most ``2 * CHUNK``, with each chunk's largest beside them: an insertion or a removal bisects the chunks' largest
-values and moves at most one chunk's values, and the ``i``-th value walks the chunks' lengths: 1.35, 1.64 and 2.24
-us at the same rates (20,000 samples after the window filled, one run each; ``docs/overhead.md``). It holds and
-answers what one sorted list would (``tests/unit/admission/test_ordered.py`` checks it against one on random
-operations).
+the window's removals took 1.65 us at 300 first tokens a second, 8.86 us at 3,000 (30,000 values) and 19.68 us at
+10,000 (at two workers' 1,300 short chats a second, ~5 us of the authority's ~85 a chat). Here the values are sorted
+chunks of at most ``2 * CHUNK``, with each chunk's largest beside them: an insertion or a removal bisects the
+chunks' largest values and moves at most one chunk's values, and the ``i``-th value walks the chunks' lengths:
+1.25, 1.58 and 2.81 us at the same rates (``python -m bench.workloads.first_tokens``; ``docs/overhead.md``). It
+holds and answers what one sorted list would (``tests/unit/admission/test_ordered.py`` checks it against one on
+random operations).
 """
 
 from __future__ import annotations
