@@ -26,7 +26,10 @@ Each process's CPU is its own (every thread, from /proc/<pid>/stat) over the loa
 turns these into a worker's cost per unit ``w``, the authority's coordination per unit a worker served ``c`` (its
 CPU beyond its own serving, priced at ``w``), and the bound of ``M`` processes at ``M / (w + (M - 1) c)`` units a
 second; the limit ``w1 / c``, one process's cost over the coordination's, is the most any number of workers can
-give. Per-process figures are in the table after the result's.
+give. With the authority apart, it is first watched ``--idle-seconds`` (10) with nothing sent: its CPU a second
+then (its engine scrapes, the workers' state, its probes) is in every ``c``, whatever the load, and is reported
+beside it with ``c / w`` less that work over the load's seconds. Per-process figures are in the table after the
+result's.
 """
 
 from __future__ import annotations
@@ -83,6 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-clients", type=int, default=1, help="stream client processes (1)")
     parser.add_argument("--authority", action="append", choices=AUTHORITY, default=None,
                         help="repeatable: the authority's modes past one process (default both)")
+    parser.add_argument("--idle-seconds", type=float, default=10.0,
+                        help="seconds the authority apart is watched with nothing sent, before the loads (10; 0: not)")
 
 
 def configurations(counts: list[int], modes: list[str]) -> list[tuple[int, str]]:
@@ -108,6 +113,10 @@ def measures(counts: list[int], loads: list[str], modes: list[str]) -> list[Meas
                         Measure(f"{k}_worker_us", f"w: a worker's CPU per {unit} it served (us){at}", ".1f"),
                         Measure(f"{k}_coord_us", f"c: coordination per {unit} a worker served (us){at}", ".1f"),
                         Measure(f"{k}_coord_of_worker", f"c / w{at}", ".3f"),
+                        *((Measure(f"{k}_authority_idle_ms", f"authority's CPU a second with nothing sent (ms){at}",
+                                   ".1f"),
+                           Measure(f"{k}_coord_beyond_idle_of_worker", f"c / w less the authority's idle work{at}",
+                                   ".3f")) if mode == "apart" else ()),
                         Measure(f"{k}_limit", f"Amdahl limit w1 / c (x one process){at}", ".2f"),
                         *(Measure(f"{k}_bound{m}", f"bound with {m} processes, {unit}s/s{at}", ".0f")
                           for m in AMDAHL_AT)]  # fmt: skip
@@ -220,10 +229,11 @@ def streams(ctx: Context, target: Target, load: relay.Load) -> dict[str, Any]:
 
 
 def one_load(ctx: Context, gateway: Target, load: str, roles: dict[str, int],
-             ids: dict[int, str]) -> tuple[float, float, float, list[scaling.Process]]:
+             ids: dict[int, str]) -> tuple[float, float, float, list[scaling.Process], float]:
     """One load against a gateway: units a second, errors or failed streams, units counted (with an id or not),
-    and each process's CPU and units served."""
+    each process's CPU and units served, and the load's seconds."""
     before = {name: own_seconds(pid) for name, pid in roles.items()}
+    started = time.monotonic()
     if load == "chats":
         done = wrk.run(gateway.url + "/v1/chat/completions", wrk.SHORT_CHAT, ctx.args.connections, ctx.args.seconds,
                        ctx.cores.client, threads=ctx.args.client_threads, count_header="x-request-id", prefix=ID_PREFIX)
@@ -233,16 +243,28 @@ def one_load(ctx: Context, gateway: Target, load: str, roles: dict[str, int],
         counts, failed = seen["by_prefix"], float(seen["failed"])
         rate = seen["tokens"] / seen["wall_s"] if seen["wall_s"] else math.nan
     spent = {name: own_seconds(pid) - before[name] for name, pid in roles.items()}
+    seconds = time.monotonic() - started
     served = scaling.served_by({name: ids.get(pid, "?") for name, pid in roles.items()}, counts)
     procs = [scaling.Process(name, spent[name], served[name]) for name in roles]
-    return rate, failed, float(sum(counts.values())), procs
+    return rate, failed, float(sum(counts.values())), procs, seconds
+
+
+def idle_per_s(pid: int, seconds: float) -> float:
+    """CPU seconds a second the process ``pid`` spends over ``seconds`` with nothing sent (NaN for 0 s): the
+    authority apart's scrapes, the workers' state, its probes, in every ``c / w`` whatever the load."""
+    if seconds <= 0:
+        return math.nan
+    before, started = own_seconds(pid), time.monotonic()
+    time.sleep(seconds)
+    return (own_seconds(pid) - before) / (time.monotonic() - started)
 
 
 def figures_of(load: str, n: int, rate: float, procs: list[scaling.Process], one_us: float | None,
-               mode: str = "serving") -> Figures:
+               mode: str = "serving", idle: tuple[float, float] | None = None) -> Figures:
     """One load's figures at ``--workers n``: the rate, the CPU per unit, and past one process the split and
     the Amdahl bounds (``one_us``: one process's CPU per unit, measured at ``--workers 1``; ``mode``: the
-    authority's)."""
+    authority's; ``idle``, apart: the authority's CPU seconds a second with nothing sent, and the load's
+    seconds)."""
     k, total = key_of(load, n, mode), sum(p.served for p in procs)
     out: Figures = {f"{k}_rate": rate,
                     f"{k}_cpu_us": sum(p.cpu_s for p in procs) * 1e6 / total if total else math.nan}
@@ -260,6 +282,13 @@ def figures_of(load: str, n: int, rate: float, procs: list[scaling.Process], one
             f"{k}_limit": scaling.limit(w1, c),
             **{f"{k}_bound{m}": scaling.bound_apart(m, w, c) if mode == "apart" else scaling.bound_per_s(m, w, w, c)
                for m in AMDAHL_AT}}
+    if mode == "apart":
+        per_s, seconds = idle if idle is not None else (math.nan, math.nan)
+        authority = next((p for p in procs if p.is_authority), None)
+        served_w = sum(p.served for p in procs if not p.is_authority)
+        out |= {f"{k}_authority_idle_ms": per_s * 1e3,
+                f"{k}_coord_beyond_idle_of_worker": scaling.beyond_idle(
+                    authority.cpu_s if authority is not None else math.nan, per_s, seconds, served_w, w)}
     return out
 
 
@@ -314,9 +343,10 @@ def run(ctx: Context) -> Result:
                 ids = prefixes(gw, serving)
                 if len(ids) < len(serving):
                     ctx.say(f"{gw.name}: request id prefixes of {len(ids)} of {len(serving)} processes found")
+                idle = idle_per_s(roles["authority"], args.idle_seconds) if apart else math.nan
                 for load in loads:
-                    rate, failed, counted, procs = one_load(ctx, gw, load, roles, ids)
-                    got = figures_of(load, n, rate, procs, figures.get(f"{load}_w1_cpu_us"), mode)
+                    rate, failed, counted, procs, seconds = one_load(ctx, gw, load, roles, ids)
+                    got = figures_of(load, n, rate, procs, figures.get(f"{load}_w1_cpu_us"), mode, (idle, seconds))
                     figures |= got
                     figures[f"{load}_failed"] = figures.get(f"{load}_failed", 0.0) + failed
                     table.extend(rows_of(f"{name} (turn {turn + 1}) | {n}{' apart' if apart else ''}", load, roles,

@@ -72,6 +72,15 @@ def split(processes: Sequence[Process], one_us: float | None = None) -> Split:
                  coordination_us=beyond / served_w if served_w else nan, coordination_whole_us=beyond / units)
 
 
+def beyond_idle(authority_cpu_s: float, idle_per_s: float, seconds: float, served_w: float, w_us: float) -> float:
+    """``c / w`` less what the authority spends whatever the load (apart: it serves nothing): its CPU over a load
+    of ``seconds`` less ``idle_per_s`` (CPU seconds a second with nothing sent) that long, per unit the workers
+    served, over a worker's cost ``w_us``. NaN where a figure is missing."""
+    if not served_w or not w_us or math.isnan(idle_per_s) or math.isnan(w_us):
+        return math.nan
+    return (authority_cpu_s - idle_per_s * seconds) * 1e6 / served_w / w_us
+
+
 def bound_per_s(m: int, one_us: float, w_us: float, c_us: float) -> float:
     """Units a second ``m`` processes on ``m`` cores can serve, the port spreading connections evenly: the
     authority's core (its share at one process's price ``one_us``, and ``c_us`` for each of the others') or the

@@ -10,6 +10,7 @@ import pytest
 from bench.workloads import wrk
 from bench.workloads.scaling import (
     Process,
+    beyond_idle,
     bound_apart,
     bound_per_s,
     limit,
@@ -75,3 +76,14 @@ def test_wrk_s_counts_by_header_prefix_are_summed_over_its_threads() -> None:
     run = wrk.parse(out, cpu_s=0.1)
     assert run.requests == 12 and run.counts == {"aaaa": 9, "bbbb": 3}
     assert wrk.parse(out.splitlines()[0], cpu_s=0.0).counts == {}
+
+
+def test_what_the_authority_spends_with_nothing_sent_is_taken_off_its_coordination() -> None:
+    # Apart, over a 10 s load: 0.3 s of CPU, 0.1 s of it what it spends idle (10 ms a second); the workers served
+    # 2,000 chats at 500 us each. c / w is 150 / 500 = 0.3; less the idle work 100 / 500 = 0.2.
+    assert beyond_idle(0.3, 0.010, 10.0, 2000, 500) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(("idle", "served", "w"), [(math.nan, 2000, 500.0), (0.01, 0, 500.0), (0.01, 2000, math.nan)])
+def test_without_an_idle_figure_or_units_there_is_no_figure(idle: float, served: float, w: float) -> None:
+    assert math.isnan(beyond_idle(0.3, idle, 10.0, served, w))
