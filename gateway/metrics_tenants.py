@@ -36,9 +36,9 @@ class ServedSource(Protocol):
 class ServedCollector(Collector):
     """``vllm_guard_tenant_{requests,prompt_tokens,completion_tokens,queue_seconds}_total``, read from the tenants'
     usage books (``tenants/usage.py``) when ``/metrics`` is collected rather than counted again on every request:
-    four labelled counters' increments (a lookup and a lock each) were 8% of the workers' authority's instructions
-    a short chat, for numbers the usage book already keeps. A tenant appears once it was served (as a counter's
-    child appeared at its first increment), with its ``_created`` the time of that first request."""
+    four labelled counters' increments (a lookup and a lock each) were 29,000 of the workers' authority's 249,000
+    instructions a short chat, for numbers the usage book already keeps. A tenant appears once it was served (as a
+    counter's child appeared at its first increment), with its ``_created`` the time of that first request."""
 
     def __init__(self) -> None:
         self._sources: list[ServedSource] = []
@@ -51,15 +51,13 @@ class ServedCollector(Collector):
             yield CounterMetricFamily(name, doc, labels=["tenant"])
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        totals: dict[str, list[float]] = {}
+        totals: dict[str, list[float]] = {}  # tenant -> the four sums, then the earliest first request
         for source in self._sources:
             for tenant, served in source.served_by_tenant():
-                seen = totals.get(tenant)
-                if seen is None:
-                    totals[tenant] = [*served]
-                else:
-                    totals[tenant] = [*(a + b for a, b in zip(seen[:4], served[:4], strict=True)),
-                                      min(seen[4], served.since)]
+                seen = totals.setdefault(tenant, [0.0, 0.0, 0.0, 0.0, served.since])
+                for index in range(len(SERVED)):
+                    seen[index] += served[index]
+                seen[4] = min(seen[4], served.since)
         for index, (name, doc) in enumerate(SERVED):
             family = CounterMetricFamily(name, doc, labels=["tenant"])
             for tenant, values in totals.items():
