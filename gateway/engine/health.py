@@ -35,6 +35,7 @@ class EngineHealth:
     ) -> None:
         self._fetch = fetch
         self.status: int | None = None  # the latest answer's HTTP status; None before one came
+        self.on_change: Callable[[], None] | None = None  # with --workers: the authority tells its workers at once
         self._timer = Periodic(
             lambda: self.check(), interval, name="engine-health", failed="the engine health check crashed",
             logger=log, sleep=sleep,
@@ -53,10 +54,13 @@ class EngineHealth:
         except Exception as exc:
             log.debug("engine %s failed: %r", HEALTH_PATH, exc)
             return
-        if (status >= 500) != self.unhealthy:
+        changed = (status >= 500) != self.unhealthy
+        if changed:
             log.warning("the engine's %s answered HTTP %d: %s", HEALTH_PATH, status,
                         "it takes no new request until it answers 200" if status >= 500 else "it takes requests again")
         self.status = status
+        if changed and self.on_change is not None:
+            self.on_change()
 
     async def start(self) -> None:
         if self._fetch is not None:

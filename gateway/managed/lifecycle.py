@@ -33,6 +33,7 @@ class Phase:
         self.state = EngineLifecycle.STARTING
         self.since = clock()
         self.unready = asyncio.Event()
+        self.on_change: Callable[[], None] | None = None  # with --workers: the authority tells its workers at once
         self.set(EngineLifecycle.STARTING)
 
     def set(self, state: EngineLifecycle) -> None:
@@ -46,6 +47,8 @@ class Phase:
             self.unready.set()
         if self.metrics is not None:
             self.metrics.set_upstream_state(state)
+        if self.on_change is not None:
+            self.on_change()
 
     def retry_after(self, expected_startup: float, drain_timeout: float) -> float:
         """Seconds a client should wait before retrying, given how long a start-up is expected to take."""

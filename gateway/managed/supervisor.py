@@ -223,6 +223,11 @@ class Supervisor:
             return False
         return True
 
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """``callback`` runs after each change of its lifecycle state (with --workers: the authority tells its
+        workers at once)."""
+        self._phase.on_change = callback
+
     def retry_after(self) -> float:
         """Seconds a client should wait before retrying while the engine is not ready."""
         return self._phase.retry_after(self._startup_seconds or STARTUP_GUESS, self.settings.drain_timeout)

@@ -1,6 +1,7 @@
 """What a worker process must know of the engines to serve requests, as the admission authority knows it.
 
-The authority sends it (``messages.State``) whenever it changes (``state_of``, checked twenty times a second); a
+The authority sends it (``messages.State``) whenever it changes (``state_of``, checked as each engine's scrape,
+hang, health or lifecycle changes, and four times a second for the rest); a
 worker applies it (``apply_state``): each engine's hang (new requests refused, streams in flight cut, as in one
 process), its model listing (the context length requests are counted against), its URL and lifecycle state in
 managed mode (requests refused while it starts, held while it restarts), and the KV capacity that clamps
