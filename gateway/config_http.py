@@ -37,6 +37,14 @@ class HttpFields(BaseModel):
         "the others ask it per request (docs/architecture.md).",
     )
 
+    @field_validator("starved_stretch")
+    @classmethod
+    def _starved_stretch(cls, value: float) -> float:
+        # A stretch below 1 would end before the timeout it stretches: every such value acted as 0, silently.
+        if 0 < value < 1:
+            raise ValueError(f"--starved-stretch must be 0 (off) or from 1 to 100; got {value:g}")
+        return value
+
     @field_validator("workers", mode="before")
     @classmethod
     def _workers(cls, value: object) -> str:
@@ -140,8 +148,9 @@ class HttpFields(BaseModel):
     starved_stretch: float = Field(
         4.0, ge=0, le=100, description="The most a busy host stretches a client's connection timeouts "
         "(--header-timeout, the body's, --write-timeout), as a multiple of each: the time the host starved work of "
-        "a CPU (/proc/pressure/cpu) is not counted against a client that may not have run. 0: every timeout by the "
-        "clock alone, on a busy host too (a hostile client is then cut on time, a starved one with it).",
+        "a CPU (/proc/pressure/cpu) is not counted against a client that may not have run; 0 or 1 to 100. 0: "
+        "every timeout by the clock alone, on a busy host too (a hostile client is then cut on time, a starved one "
+        "with it).",
     )
 
     # -- request templates ------------------------------------------------------------------------

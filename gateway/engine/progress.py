@@ -153,7 +153,7 @@ class ProgressDetector:
         self.hangs = 0
         self.hung_since: float | None = None
         self.detail: str | None = None
-        self.on_change: Callable[[], None] | None = None  # with --workers: the authority tells its workers at once
+        self.on_change: Callable[[], None] = lambda: None  # with --workers: the authority tells its workers at once
         self._since = clock()  # the last progress, or when work appeared
         self._events = 0  # stream chunks seen, read and compared by tick
         self._events_seen = 0
@@ -303,21 +303,16 @@ class ProgressDetector:
         cut = self.error(cut=True)
         for abort in list(self._watchers.values()):
             abort(cut)
-        self._changed()
+        self.on_change()
 
     def _rejoin(self, now: float) -> None:
         assert self.hung_since is not None
         log.warning("the engine moved again after %.1f s hung; it takes requests again", now - self.hung_since)
-        self.hung_since = None
-        self.detail = None
+        self.hung_since, self.detail = None, None
         self._last_probe = None
         if self._metrics is not None:
             self._metrics.record_engine_hung(False)
-        self._changed()
-
-    def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+        self.on_change()
 
     def _work(self) -> str:
         r = self._reading

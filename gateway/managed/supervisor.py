@@ -121,9 +121,7 @@ class Supervisor:
     @property
     def max_model_len(self) -> int | None:
         fixed = arg_value(self._args(), "--max-model-len")
-        if fixed is not None:
-            return int(fixed)
-        return self._child.facts.max_model_len if self._child else None
+        return int(fixed) if fixed is not None else self._child.facts.max_model_len if self._child else None
 
     @property
     def capacity_from_log(self) -> tuple[int, int] | None:
@@ -224,8 +222,7 @@ class Supervisor:
         return True
 
     def on_change(self, callback: Callable[[], None]) -> None:
-        """``callback`` runs after each change of its lifecycle state (with --workers: the authority tells its
-        workers at once)."""
+        """``callback`` runs after each change of its lifecycle state (--workers: the authority tells them)."""
         self._phase.on_change = callback
 
     def retry_after(self) -> float:

@@ -41,7 +41,6 @@ from typing import Any
 
 from gateway.admission.controller import Admission
 from gateway.admission.reservation import Reservation
-from gateway.engine.live import EngineSnapshot
 from gateway.errors import GatewayError
 from gateway.guard.parts import Parts
 from gateway.guard.seams import Granted
@@ -345,7 +344,7 @@ class Authority:
         for engine in self.parts.every_engine():
             engine.fingerprint.on_learn = self.push_now  # a worker's first streams need not wait for it
             engine.progress.on_change = engine.health.on_change = self.push_now  # a hang cut in every worker at once
-            engine.view.on_snapshot(self._scraped)  # after admission's own listener: its capacity is the new one
+            engine.view.on_snapshot(lambda old, new: self.push_now())  # after admission's: its new capacity
         for supervisor in self.parts.every_supervisor():
             supervisor.on_change(self.push_now)
         loop = asyncio.get_running_loop()
@@ -367,9 +366,6 @@ class Authority:
                 link.channel.send(Alive())
             if tick % _SNAPSHOT_TICKS == 0:  # each worker's counts, kept should it die between two scrapes
                 link.channel.send(MetricsAsk(0))
-
-    def _scraped(self, old: EngineSnapshot, new: EngineSnapshot) -> None:
-        self.push_now()
 
     def push_now(self) -> None:
         """Tell every worker the engines' state if it changed."""

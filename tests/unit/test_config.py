@@ -60,6 +60,16 @@ def test_absurd_values_are_refused(values: dict[str, object]) -> None:
         build_settings(values)
 
 
+@pytest.mark.parametrize(("stretch", "refused"), [(0, False), (0.5, True), (0.99, True), (1, False), (4, False),
+                                                   (100, False), (101, True), (-1, True)])
+def test_a_starved_stretch_is_off_or_at_least_the_timeout_itself(stretch: float, refused: bool) -> None:
+    if not refused:
+        assert build_settings({"starved_stretch": stretch}).starved_stretch == stretch
+        return
+    with pytest.raises(ValidationError, match="starved"):
+        build_settings({"starved_stretch": stretch})
+
+
 @pytest.mark.parametrize(
     ("keys", "expected"), [(["a"], {"a": 0}), (["a=3", "b"], {"a": 3, "b": 0}), (["x=y"], {"x=y": 0})]
 )
