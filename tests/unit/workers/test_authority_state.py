@@ -24,18 +24,11 @@ from gateway.managed.lifecycle import EngineLifecycle, Phase
 from gateway.metrics import Metrics
 from gateway.workers.authority import Authority
 from gateway.workers.messages import State
+from tests.support.clock import FakeClock
 from tests.unit.workers.transport import Transport
 
 URL = "http://engine-0:8000"
 PAGE = b'vllm:cache_config_info{block_size="16",num_gpu_blocks="512"} 1.0\nvllm:num_requests_running 0.0\n'
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class World:
@@ -43,7 +36,7 @@ class World:
     with one worker connected; nothing fetched over a network."""
 
     def __init__(self, tmp: Path) -> None:
-        self.clock = Clock()
+        self.clock = FakeClock()
         self.health_status = 200
         settings = Settings.model_validate({"upstream": [URL]})
         client = Upstream(settings, base_url=lambda: URL)
@@ -131,7 +124,7 @@ async def test_a_managed_engines_lifecycle_is_told_at_once(world: World) -> None
 
 @pytest.mark.parametrize("states", [[EngineLifecycle.READY], [EngineLifecycle.DRAINING, EngineLifecycle.RESTARTING]])
 def test_a_phase_calls_its_watcher_on_every_set(states: list[EngineLifecycle]) -> None:
-    phase = Phase(None, Clock())
+    phase = Phase(None, FakeClock())
     seen: list[EngineLifecycle] = []
     phase.on_change = lambda: seen.append(phase.state)
     for state in states:
