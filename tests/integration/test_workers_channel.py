@@ -4,7 +4,8 @@ Requests are named on the channel by the gateway, never by the client's ``x-requ
 the same id (a retry reusing it) on one worker are two reservations, each released, and each charged to its
 tenant. A worker killed with streams open takes them out of the engine's view at once (no phantom work, no
 probes of an idle engine). An authority that freezes turns into prompt 503s with ``Retry-After`` on the worker,
-and the worker's ``/health`` says so; once it thaws, what the worker gave up on is freed there.
+and the worker's ``/health`` says so; once it thaws, what the worker gave up on is freed there. An engine the
+authority calls hung is hung in the worker too: its stream there cut, a new request refused at once.
 
 The authority runs in this process (its parts inspected directly); its loop is frozen the way SIGSTOP would
 freeze it, by holding its thread. Connections are placed on the process wanted (``connection_on``).
@@ -203,3 +204,36 @@ def test_a_frozen_authority_turns_into_prompt_503s_and_the_workers_health_says_s
         return healthy[0], (await exchange(conn, "POST", "/v1/completions", completion(), headers(OPEN)))[0]
 
     assert asyncio.run(after()) == (200, 200)
+
+
+def test_a_hung_engine_cuts_a_workers_stream_and_the_worker_refuses_at_once(gateway: GatewayServer,
+                                                                              sim: SimServer) -> None:
+    """The authority judges the engine hung; the worker is told (``workers/mirror.py``), cuts the stream it relays
+    with the hang's error and refuses a new request at once, as one process does; the engine moving again ends it."""
+    async def run() -> tuple[tuple[int, dict[str, str], bytes], tuple[int, dict[str, str], bytes], float]:
+        conn = await connection_on(gateway, worker=True)
+        body = completion(stream=True, max_tokens=1500)
+        stream = asyncio.create_task(exchange(conn, "POST", "/v1/completions", body, headers(OPEN), timeout=60.0))
+        await asyncio.to_thread(wait_for, "the stream never reached the engine", lambda: in_flight(gateway) == 1)
+        sim.sim.freeze()
+        try:
+            cut = await stream
+            other = await connection_on(gateway, worker=True)
+            sent = time.monotonic()
+            refused = await exchange(other, "POST", "/v1/completions", completion(), headers(OPEN))
+            return cut, refused, time.monotonic() - sent
+        finally:
+            sim.sim.thaw()
+
+    (status, _, streamed), (refused, head, body), took = asyncio.run(run())
+    assert status == 200 and b'"code":"upstream_hung"' in streamed.rsplit(b"data: ", 2)[-2], streamed[-300:]
+    assert refused == 503 and "retry-after" in head and b"upstream_hung" in body and took < 3.0, (refused, took)
+    gateway.wait_ledger_empty(timeout=10.0)
+
+    async def healthy() -> bool:
+        return (await exchange(await connection_on(gateway, worker=True), "GET", "/health"))[0] == 200
+
+    deadline = time.monotonic() + 20.0  # a probe answered: the engine moves again
+    while not asyncio.run(healthy()):
+        assert time.monotonic() < deadline, "the worker still called the engine hung once it moved"
+        time.sleep(0.2)
