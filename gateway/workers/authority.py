@@ -76,8 +76,9 @@ log = logging.getLogger(__name__)
 # Seconds between checks of the state the workers mirror (sent only when it changed). What changes it tells the
 # authority at once (``Authority.start``: an engine's scrape, hang, health and first usage chunk, a managed engine's
 # lifecycle), so this check is the net for the rest: a managed engine's Retry-After counting down, a models
-# listing fetched outside a scrape. At 20 checks a second it was a quarter of an idle authority's CPU apart from
-# its workers (16-17 ms a second, 12-13 at 2 a second; each check builds the state from caches its sleep left cold).
+# listing fetched outside a scrape. Checked alone 20 times a second, it was a quarter of an idle authority's CPU
+# apart from its workers (16-17 ms a second, each check building the state from caches its sleep left cold; 10-12
+# with these pushes and 4 checks a second, 11-13 with 2: docs/overhead.md).
 STATE_EVERY = 0.25
 _ALIVE_TICKS = round(ALIVE_EVERY / STATE_EVERY)
 _SNAPSHOT_TICKS = round(SNAPSHOT_EVERY / STATE_EVERY)
