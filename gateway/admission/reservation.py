@@ -227,8 +227,9 @@ class Reservation:
             return
         now = self._clock()
         if self._generated == 0 and self._admitted_at is not None and 0 < generated <= self.n:
-            # A stream's first token (a whole answer reports all its tokens at once, and is no sample): the engine's
-            # time counts from the request's write, not from its admission (``sent``).
+            # A stream's first token; a whole answer reports all its tokens at once, a sample only when that is one
+            # token a choice (its whole time is then its time to a first token). The engine's time counts from the
+            # request's write, not from its admission (``sent``).
             start = self._sent_at if self._sent_at is not None else self._admitted_at
             self._timed = True
             self._admitter.first_token(self, now - start)
