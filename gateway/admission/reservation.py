@@ -221,8 +221,10 @@ class Reservation:
             self._cut = True
         self._admitter.leave(self)
 
-    def observe_output_tokens(self, generated: int) -> None:
-        """Completion tokens produced so far, summed over the ``n`` choices (streamed progress or final usage)."""
+    def observe_output_tokens(self, generated: int, first_token_s: float | None = None) -> None:
+        """Completion tokens produced so far, summed over the ``n`` choices (streamed progress or final usage).
+        ``first_token_s``: with the first, its time as measured where the request was written to its engine (a
+        worker's own write: ``workers/messages.py``), taken instead of this clock's."""
         if generated < self._generated:
             return
         now = self._clock()
@@ -232,7 +234,7 @@ class Reservation:
             # request's write, not from its admission (``sent``).
             start = self._sent_at if self._sent_at is not None else self._admitted_at
             self._timed = True
-            self._admitter.first_token(self, now - start)
+            self._admitter.first_token(self, now - start if first_token_s is None else first_token_s)
         self._generated = generated
         self._observed = True
         if not self._checkpoints or now - self._checkpoints[-1][0] >= self._checkpoint_spacing:

@@ -35,9 +35,11 @@ class Held(Protocol):
     def generated(self) -> int:
         """Output tokens generated so far, as the engine counts them (never goes down)."""
 
-    def observe_output_tokens(self, generated: int) -> None:
+    def observe_output_tokens(self, generated: int, first_token_s: float | None = None) -> None:
         """The engine's count of what it generated so far: it grows the booking the request holds, and teaches
-        admission how long outputs really are."""
+        admission how long outputs really are. ``first_token_s``, with the first: its time as measured where the
+        request was written to its engine, where that was not here (a worker's request, at the authority); else
+        it is timed here."""
 
     def sent(self) -> None:
         """The request is about to be written to its engine: the engine's time to a first token counts from here

@@ -219,7 +219,7 @@ class WorkerLink:
         for key, tokens in msg.tokens.items():
             held = self.requests.get(key)
             if held is not None and held.attempt.reservation is not None:
-                held.attempt.reservation.observe_output_tokens(tokens)
+                held.attempt.reservation.observe_output_tokens(tokens, msg.first.get(key))
         engines = self.parts.every_engine()
         for index, value in msg.fingerprints.items():
             if 0 <= index < len(engines):
@@ -232,7 +232,7 @@ class WorkerLink:
     def _release(self, msg: Release) -> None:
         held = self.requests.get(msg.key)
         if held is not None:
-            _give_back(held, msg.completed, msg.generated)
+            _give_back(held, msg.completed, msg.generated, msg.first)
 
     def _end(self, msg: End) -> None:
         held = self.requests.pop(msg.key, None)
@@ -300,12 +300,12 @@ class WorkerLink:
                 waiter.set_result([])
 
 
-def _give_back(held: HeldRequest, completed: bool, generated: int) -> None:
+def _give_back(held: HeldRequest, completed: bool, generated: int, first: float | None) -> None:
     """A worker released the request's reservation: its blocks go back now, before any task wakes."""
     attempt = held.attempt
     attempt.completed, attempt.generated = completed, generated
     if attempt.reservation is not None:
-        attempt.reservation.observe_output_tokens(generated)
+        attempt.reservation.observe_output_tokens(generated, first)
         attempt.reservation.release(completed=completed)
     if attempt.done is not None:
         attempt.done.set()

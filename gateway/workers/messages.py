@@ -8,8 +8,8 @@ it the second would take the first's place and strand its reservation. The clien
     worker -> authority                              authority -> worker
     Admit {key, booking, charge}                     Admitted {key, waited_ms, headers, target}
     Withdraw {key}                                   Refused {key, error, headers}
-    Progress {tokens by key, moves by engine}        State {engines, supervisors, capacity}
-    Release {key, completed, generated}              MetricsAsk {ask}
+    Progress {tokens, first tokens by key, moves}    State {engines, supervisors, capacity}
+    Release {key, completed, generated, first}       MetricsAsk {ask}
     End {key, queue_ms, released}                    Alive {}   (every ``ALIVE_EVERY`` seconds)
     Rejected, Serving, Access {lines}, MetricsReply
 
@@ -20,6 +20,12 @@ busy 2-core host): an admit of a 30-token prompt encodes in 2.7 us and decodes (
 about 6 us more of the authority's loop per request. pydantic (``TypeAdapter.validate_json`` of the same admit as
 dataclasses) took 6-8 us to decode alone. Access-log lines cross formatted and redacted, a batch a message: the
 authority only writes them (formatting a record there cost its core tens of microseconds a request).
+
+A request's first token is timed where the request was written to its engine, as in one process: the worker
+measures from its own write to the token and sends the seconds with the request's first count (``Progress.first``,
+or its ``Release`` when that goes first). Timed at the authority instead, from its admission to the progress that
+brought the token, the sample would carry the reply's crossing, the worker's turn and the progress's batching (up
+to 50 ms, ``remote.PROGRESS_EVERY``), which an engine that answers in 100 ms would be read as doing.
 
 An error refused by the authority (a full queue, a tenant's limit, a deadline) reaches the worker as the same
 ``GatewayError`` subclass with the same fields, so that the HTTP layer answers it exactly as it would have in one
@@ -133,6 +139,8 @@ class Progress:
     tokens: dict[int, int]  # key -> tokens generated so far
     engines: dict[int, tuple[int, int, int]]  # engine -> (streams opened less closed, chunks, answers) since last
     fingerprints: dict[int, str | None]  # engine -> its system_fingerprint, learned here
+    # key -> seconds from the worker's write of the request to its engine to its first token (see above)
+    first: dict[int, float]
 
 
 @message
@@ -141,18 +149,19 @@ class Release:
     key: int
     completed: bool
     generated: int
+    first: float | None = None  # the first token's time, where no ``Progress`` told it before (see above)
 
 
 @message
 class End:
-    """The request is over. ``released``: its last ``Release`` folded in, (completed, generated), where the worker
-    still held it when the request ended (a short chat's release and end leave in one write: one frame, not two);
+    """The request is over. ``released``: its last ``Release`` folded in, (completed, generated, first), where the
+    worker still held it when the request ended (a short chat's release and end leave in one write: one frame, not two);
     None where it was sent on its own (a stream whose client was still reading, a failover's first attempt)."""
 
     KIND: ClassVar[str] = "end"
     key: int
     queue_ms: float
-    released: tuple[bool, int] | None = None
+    released: tuple[bool, int, float | None] | None = None
 
 
 @message

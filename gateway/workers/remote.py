@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -84,6 +85,8 @@ class AuthorityClient:
         self._releasing: dict[int, Release] = {}
         self._replies: dict[int, asyncio.Future[Admitted | Refused]] = {}
         self._tokens: dict[int, int] = {}
+        self._first: dict[int, float] = {}  # key -> its first token's time, until a Progress or its Release tells it
+        self.clock = time.monotonic  # times a request's first token from its write (``RemoteReservation``)
         self._engines: dict[int, list[int]] = {}  # engine -> [opened - closed, chunks, answers] since last sent
         # The flusher must never die: the authority would stop seeing this process's streams.
         self._progress = Periodic(
@@ -180,10 +183,17 @@ class AuthorityClient:
         if key in self._known:
             self._known.discard(key)
             held = self._releasing.pop(key, None)
-            self.channel.send(End(key, queue_ms, None if held is None else (held.completed, held.generated)))
+            released = None if held is None else (held.completed, held.generated, held.first)
+            self.channel.send(End(key, queue_ms, released))
 
-    def progress(self, key: int, generated: int) -> None:
+    def progress(self, key: int, generated: int, first: float | None = None) -> None:
         self._tokens[key] = generated
+        if first is not None:
+            self._first[key] = first
+
+    def released(self, key: int, completed: bool, generated: int) -> Release:
+        """A request's release, with its first token's time where no progress told it yet."""
+        return Release(key, completed, generated, self._first.pop(key, None))
 
     def engine_moved(self, engine: int, opened: int = 0, chunks: int = 0, answers: int = 0) -> None:
         counts = self._engines.get(engine)
@@ -202,8 +212,9 @@ class AuthorityClient:
             return
         tokens, self._tokens = self._tokens, {}
         engines, self._engines = self._engines, {}
+        first, self._first = self._first, {}
         moves = {i: (c[0], c[1], c[2]) for i, c in engines.items()}
-        self.channel.send(Progress(tokens, moves, learned))
+        self.channel.send(Progress(tokens, moves, learned, first))
 
     def _fingerprints(self) -> dict[int, str | None]:
         """The engines' ``system_fingerprint``s this process learned and the authority was not told yet: it tells
@@ -244,8 +255,8 @@ def _authority_gone() -> UpstreamUnavailable:
 class RemoteReservation:
     """A reservation held at the authority: what the request path reads and tells of it."""
 
-    __slots__ = ("_client", "_released", "booking", "generated", "key", "min_output", "queue_ms", "request_id",
-                 "target")
+    __slots__ = ("_client", "_released", "_sent_at", "booking", "generated", "key", "min_output", "queue_ms",
+                 "request_id", "target")
 
     def __init__(self, client: AuthorityClient, booking: Booking) -> None:
         self._client = client
@@ -257,16 +268,19 @@ class RemoteReservation:
         self.generated = 0
         self.queue_ms = 0.0
         self._released = True  # until admitted
+        self._sent_at: float | None = None  # when the request path began writing it to its engine
 
-    def observe_output_tokens(self, generated: int) -> None:
+    def observe_output_tokens(self, generated: int, first_token_s: float | None = None) -> None:
         if generated > self.generated:
+            first = None  # a first token (a whole answer only at one a choice), timed from its write
+            if self.generated == 0 and generated <= self.booking.n and self._sent_at is not None:
+                first = self._client.clock() - self._sent_at if first_token_s is None else first_token_s
             self.generated = generated
-            self._client.progress(self.key, generated)
+            self._client.progress(self.key, generated, first)
 
     def sent(self) -> None:
-        # The authority times a first token from its own admission, to the progress that brings it (batched every
-        # flush): the worker's write to the engine is not told apart there.
-        return
+        if self._sent_at is None:
+            self._sent_at = self._client.clock()
 
     def admitted(self, reply: Admitted) -> None:
         self.target = reply.target
@@ -277,7 +291,7 @@ class RemoteReservation:
         if self._released:
             return
         self._released = True
-        self._client.release(Release(self.key, completed, self.generated))
+        self._client.release(self._client.released(self.key, completed, self.generated))
 
 
 class RemoteAdmission:

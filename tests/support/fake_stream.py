@@ -75,7 +75,7 @@ class FakeReservation:
     def generated(self) -> int:
         return self.observed[-1] if self.observed else 0
 
-    def observe_output_tokens(self, generated: int) -> None:
+    def observe_output_tokens(self, generated: int, first_token_s: float | None = None) -> None:
         self.observed.append(generated)
 
     def sent(self) -> None:

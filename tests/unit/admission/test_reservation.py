@@ -248,6 +248,20 @@ async def test_a_first_token_is_timed_from_the_request_s_write_to_its_engine(
     assert admitter.first_tokens == [engine_seconds]
 
 
+async def test_a_first_token_timed_where_the_request_was_written_is_taken_as_told() -> None:
+    """A worker's request at the authority: the worker timed the engine from its own write; the authority's clock
+    (its admission to the progress that brought the token) would count the crossing and the batching too."""
+    admitter, clock = RecordingAdmitter(), [0.0]
+    r = booking(admitter, clock)
+    r.enqueue()
+    clock[0] = 10.0
+    r.admit(waited_seconds=10.0)
+    clock[0] = 13.0
+    r.observe_output_tokens(1, first_token_s=0.4)
+    r.observe_output_tokens(2, first_token_s=9.0)  # only the first token is a sample
+    assert admitter.first_tokens == [0.4]
+
+
 def test_progress_checkpoints_are_credited_only_inside_the_snapshot_window() -> None:
     clock = [10.0]
     r = booking(RecordingAdmitter(), clock)

@@ -61,7 +61,7 @@ class Booked:
     async def __aexit__(self, *exc: object) -> None:
         pass
 
-    def observe_output_tokens(self, generated: int) -> None:
+    def observe_output_tokens(self, generated: int, first_token_s: float | None = None) -> None:
         pass
 
     def sent(self) -> None:

@@ -40,6 +40,7 @@ class Booked:
         self.held = False
         self.released: bool | None = None  # completed, once released
         self.generated = 0
+        self.first: list[float | None] = []  # the first-token times it was told with its counts
 
     async def __aenter__(self) -> Booked:
         self.held = True
@@ -48,8 +49,9 @@ class Booked:
     async def __aexit__(self, *exc: object) -> None:
         self.held = False
 
-    def observe_output_tokens(self, generated: int) -> None:
+    def observe_output_tokens(self, generated: int, first_token_s: float | None = None) -> None:
         self.generated = max(self.generated, generated)
+        self.first.append(first_token_s)
 
     def sent(self) -> None:
         pass
@@ -110,7 +112,7 @@ async def turns(n: int = 5) -> None:
 
 ENDS = {
     "released-then-ended": lambda key, completed, generated: [Release(key, completed, generated), End(key, 0.0)],
-    "ended-with-its-release-folded-in": lambda key, completed, generated: [End(key, 0.0, (completed, generated))],
+    "ended-with-its-release-folded-in": lambda key, completed, generated: [End(key, 0.0, (completed, generated, None))],
 }
 
 
@@ -129,6 +131,24 @@ async def test_two_requests_with_one_client_id_are_each_charged_held_and_release
     assert [b.released for b in world.booked] == [True, False] and not any(b.held for b in world.booked)
     assert [b.generated for b in world.booked] == [30, 3]
     assert world.link.requests == {}
+
+
+FIRST_TOKEN_TOLD = {
+    "by-its-progress": [Progress({1: 1}, {}, {}, {1: 0.25}), Release(1, True, 9), End(1, 0.0)],
+    "by-its-release": [Release(1, True, 1, 0.25), End(1, 0.0)],
+    "by-its-end-with-the-release-folded-in": [End(1, 0.0, (True, 1, 0.25))],
+}
+
+
+@pytest.mark.parametrize("messages", [pytest.param(v, id=k) for k, v in FIRST_TOKEN_TOLD.items()])
+async def test_a_first_token_timed_by_the_worker_reaches_the_reservation_with_the_count(
+    world: SimpleNamespace, messages: list[Message]
+) -> None:
+    receive(world, Admit(1, booking("r"), None))
+    await turns()
+    receive(world, *messages)
+    await turns()
+    assert world.booked[0].first[0] == 0.25 and all(first is None for first in world.booked[0].first[1:])
 
 
 async def test_a_workers_request_is_booked_with_its_deadline_and_its_own_objective(world: SimpleNamespace) -> None:
@@ -161,7 +181,7 @@ async def test_a_worker_gone_gives_back_every_reservation_it_held(world: SimpleN
 async def test_a_worker_gone_takes_its_streams_out_of_the_engines_view(world: SimpleNamespace) -> None:
     progress: ProgressDetector = world.progress
     progress.opened()  # the authority's own stream
-    receive(world, Progress({}, {0: (3, 10, 0)}, {}), Progress({}, {0: (-1, 4, 1)}, {}))
+    receive(world, Progress({}, {0: (3, 10, 0)}, {}, {}), Progress({}, {0: (-1, 4, 1)}, {}, {}))
     assert progress.in_flight == 3
     world.link.channel.connection_lost(None)
     assert progress.in_flight == 1

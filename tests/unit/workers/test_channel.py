@@ -140,7 +140,7 @@ async def test_engines_and_keys_by_number_cross_as_numbers() -> None:
     rec = Recorder()
     sender, transport = rec.channel(), Transport()
     sender.connection_made(transport)  # type: ignore[arg-type]
-    sent = Progress({12: 40}, {0: (1, 2, 3)}, {1: None})
+    sent = Progress({12: 40}, {0: (1, 2, 3)}, {1: None}, {12: 0.5})
     sender.send(sent)
     await asyncio.sleep(0)
     rec.channel().data_received(transport.writes[0])

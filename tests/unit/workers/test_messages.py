@@ -53,8 +53,9 @@ STATE = State(
 )
 EVERY_KIND: list[Message] = [
     Admit(1, BOOKING, Charge("search", 16, 64)), Admit(2, BOOKING, None), Withdraw(3),
-    Progress({1: 40, 2: 7}, {0: (1, -2, 3)}, {0: "fp", 1: None}), Release(4, True, 30), End(5, 12.5),
-    End(6, 0.0, (False, 3)), Rejected("search", "queue_full"), Serving(),
+    Progress({1: 40, 2: 7}, {0: (1, -2, 3)}, {0: "fp", 1: None}, {2: 0.125}), Release(4, True, 30),
+    Release(4, True, 1, 0.25), End(5, 12.5), End(6, 0.0, (False, 3, None)), End(6, 0.0, (True, 1, 0.5)),
+    Rejected("search", "queue_full"), Serving(),
     Access("time=2026-12-05T07:00:00.000Z request_id=r status=200\n"),
     MetricsReply(6, (["vllm_guard_requests", "counter", "doc", "", [["x_total", {"route": "chat"}, 3.0]]],)),
     Admitted(7, 0.5, {"x-ratelimit-remaining-requests": "3"}, Destination("e0", 0, None)), Admitted(8, 0.0, {}, None),

@@ -78,7 +78,7 @@ async def test_two_requests_with_one_client_id_are_two_keys_on_the_channel(
     for hold, g in zip(holds, grants, strict=True):
         await hold.__aexit__(None, None, None)
         g.settle(1.0)
-    assert await sent(wire) == [End(keys[0], 1.0, (False, 0)), End(keys[1], 1.0, (False, 0))]
+    assert await sent(wire) == [End(keys[0], 1.0, (False, 0, None)), End(keys[1], 1.0, (False, 0, None))]
 
 
 async def admitted_hold(client: AuthorityClient, wire: Transport) -> tuple[RemoteGrant, RemoteReservation, Any]:
@@ -92,7 +92,7 @@ async def admitted_hold(client: AuthorityClient, wire: Transport) -> tuple[Remot
 
 
 @pytest.mark.parametrize(("turns_between", "expected"), [
-    pytest.param(0, lambda key: [End(key, 2.0, (True, 7))], id="ended-in-the-same-turn-one-frame"),
+    pytest.param(0, lambda key: [End(key, 2.0, (True, 7, None))], id="ended-in-the-same-turn-one-frame"),
     pytest.param(3, lambda key: [Release(key, True, 7), End(key, 2.0, None)], id="ended-turns-later-two-frames"),
 ])
 async def test_a_release_rides_in_its_requests_end_when_both_leave_in_one_write(
@@ -232,4 +232,40 @@ async def test_progress_is_told_by_key(client: AuthorityClient, wire: Transport)
     await entering
     reservation.observe_output_tokens(12)
     client.flush()
-    assert await sent(wire) == [Progress({g.key: 12}, {}, {})]
+    assert await sent(wire) == [Progress({g.key: 12}, {}, {}, {})]
+
+
+@pytest.mark.parametrize(("told_by", "expected"), [
+    pytest.param("progress", lambda key: [Progress({key: 1}, {}, {}, {key: 0.25}), Release(key, True, 9)],
+                 id="a-stream-tells-it-with-its-first-progress"),
+    pytest.param("release", lambda key: [Release(key, True, 9, 0.25)],
+                 id="a-release-before-any-progress-carries-it"),
+])
+async def test_a_worker_times_a_first_token_from_its_own_write_to_the_engine(
+    client: AuthorityClient, wire: Transport, told_by: str, expected: Any
+) -> None:
+    now = [100.0]
+    client.clock = lambda: now[0]
+    g, reservation, _ = await admitted_hold(client, wire)
+    now[0] += 5.0  # the gateway's own time after the admission: not the engine's
+    reservation.sent()
+    now[0] += 0.25
+    reservation.observe_output_tokens(1)
+    if told_by == "progress":
+        client.flush()
+    now[0] += 1.0
+    reservation.observe_output_tokens(9)  # later counts carry no time
+    reservation.release(completed=True)
+    client.flush()
+    got = [m for m in await sent(wire) if not (isinstance(m, Progress) and not m.first)]
+    assert got == expected(g.key)
+
+
+async def test_a_whole_answer_of_several_tokens_a_choice_is_no_first_token_sample(
+    client: AuthorityClient, wire: Transport
+) -> None:
+    g, reservation, _ = await admitted_hold(client, wire)
+    reservation.sent()
+    reservation.observe_output_tokens(7)  # n = 1: seven tokens at once are a whole answer
+    reservation.release(completed=True)
+    assert await sent(wire) == [Release(g.key, True, 7)]
