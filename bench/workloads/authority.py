@@ -93,9 +93,11 @@ async def authority(requests: int, batch: int, prompt_tokens: int) -> float:
 
     def ends(key: int) -> list[Any]:
         """What the target's worker sends as a short chat ends: its release folded into its end where the target's
-        ``End`` carries one (one frame), else a ``Release`` and an ``End``."""
-        if "released" in End.__dataclass_fields__:
-            return [End(key, 0.0, (True, 16))]
+        ``End`` carries one (one frame), else a ``Release`` and an ``End``. Sixteen tokens at once are no first-token
+        sample: where the target's release has room for its time, there is none."""
+        fields = End.__dataclass_fields__
+        if "released" in fields:
+            return [End(key, 0.0, (True, 16, None) if "float" in str(fields["released"].type) else (True, 16))]
         return [Release(key, True, 16), End(key, 0.0)]
 
     def reads(first: int, count: int) -> list[tuple[bytes, bytes]]:
