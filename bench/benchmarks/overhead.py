@@ -25,7 +25,10 @@ asyncio protocol, httptools) can do: parse the request, forward it on a pooled c
 for byte. What the gateway spends above it is its own work; what it spends above vllm-router is the language's and
 the event loop's price for the same bytes. Target ``floor-count`` is the same proxy with the one piece of a guard's
 work no design avoids: each chat parsed and its prompt's ids counted by the gateway's own counter (its template
-rendered, its text tokenized), inline: what a lean guard would cost before admission and bookkeeping.
+rendered, its text tokenized), inline: what a lean guard would cost before admission and bookkeeping. Target
+``floor-asgi`` (``bench.servers.floor_asgi``) is the floor served through uvicorn's request-response cycle, as the
+gateway's server runs (the body read through ``receive``, the answer handed to ``send``): against ``floor``, the
+price of the ASGI cycle alone.
 
 Target ``frontend`` is vLLM's own API server (the CPU build on the tiny model, on the engine's core), which renders
 the chat template and counts the prompt as the gateway does: phase ``vllm`` sends it the short chats
@@ -55,10 +58,10 @@ from bench.workloads import wrk
 from bench.workloads.streams import stream_body
 
 SUMMARY = "added latency, chats/s at 64 concurrent, /health, CPU per request: engine alone, gateway, vllm-router"
-TARGETS = ["engine", "gateway", "router", "floor", "floor-count", "frontend", "page", "workers"]
+TARGETS = ["engine", "gateway", "router", "floor", "floor-asgi", "floor-count", "frontend", "page", "workers"]
 DEFAULT_TARGETS = ["engine", "gateway", "router", "floor", "floor-count", "frontend"]
 # Each target against those before it in this order: the gateway against the engine, the router, the floor...
-REFERENCES = ["engine", "router", "floor", "floor-count", "frontend", "baseline", "gateway"]
+REFERENCES = ["engine", "router", "floor", "floor-asgi", "floor-count", "frontend", "baseline", "gateway"]
 GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
 PHASES = ("c1", "c64", "health", "streams", "vllm")
 VLLM_CONNECTIONS = 16
@@ -118,6 +121,8 @@ def start_targets(ctx: Context, names: list[str]) -> dict[str, Target]:
         started.append(proxies.router(ctx, "router", [engine]))
     if "floor" in names:
         started.append(proxies.floor(ctx, "floor", [engine]))
+    if "floor-asgi" in names:
+        started.append(proxies.floor(ctx, "floor-asgi", [engine], asgi=True))
     if "floor-count" in names:
         started.append(proxies.floor(ctx, "floor-count", [engine], count=tok))
     ctx.start(*started)
@@ -260,6 +265,7 @@ def describe(targets: dict[str, Target], names: list[str]) -> str:
              "gateway": "vllm-guard of this tree", "baseline": "vllm-guard at the baseline commit",
              "router": f"vllm-router {proxies.ROUTER_VERSION}",
              "floor": "the floor: a minimal Python proxy on the gateway's stack (bench/servers/floor.py)",
+             "floor-asgi": "the floor served through uvicorn's ASGI cycle (bench/servers/floor_asgi.py)",
              "floor-count": "the floor with each chat parsed and its prompt's ids counted by the gateway's counter",
              "page": "the gateway with its live page open",
              "workers": "vllm-guard of this tree with --workers N (the proxies' cores shared)",

@@ -21,7 +21,8 @@ the client's CPU per token (the client must not be what binds: its cores busy ar
 
 Target ``floor`` (``bench.servers.floor``) is the least a Python proxy on the gateway's own stack can do per event:
 one client write of the bytes of each upstream read, nothing parsed but where the answer ends (asked for usage on
-every chunk, as vllm-router is).
+every chunk, as vllm-router is). Target ``floor-asgi`` (``bench.servers.floor_asgi``) is the same proxy served
+through uvicorn's ASGI cycle: each upstream read's bytes one ``send`` from the request's task.
 
 Target ``frontend`` is vLLM's own API server (the CPU build on the tiny model, on the engine's core), which
 detokenizes and writes each event itself: ``--vllm-load`` streams (16 of 64 tokens, vLLM's own pace, usage on
@@ -52,10 +53,10 @@ from bench.targets import engines, frontend, proxies
 from bench.workloads.streams import USAGE_OPTIONS
 
 SUMMARY = "CPU per relayed token, time to first byte and tokens/s of streams: engine alone, gateway, vllm-router"
-TARGETS = ["engine", "gateway", "router", "floor", "frontend", "workers"]
+TARGETS = ["engine", "gateway", "router", "floor", "floor-asgi", "frontend", "workers"]
 DEFAULT_TARGETS = ["engine", "gateway", "router", "floor", "frontend"]
 # Each target against those before it in this order: the gateway against the engine, the router, the floor...
-REFERENCES = ["engine", "router", "floor", "frontend", "baseline", "gateway"]
+REFERENCES = ["engine", "router", "floor", "floor-asgi", "frontend", "baseline", "gateway"]
 GATEWAY_FLAGS = ("--log-level", "warning", "--max-queue", "10000")
 
 
@@ -203,6 +204,8 @@ def run(ctx: Context) -> Result:
         started.append(proxies.router(ctx, "router", [engine]))
     if "floor" in names:
         started.append(proxies.floor(ctx, "floor", [engine]))
+    if "floor-asgi" in names:
+        started.append(proxies.floor(ctx, "floor-asgi", [engine], asgi=True))
     ctx.start(*started)
     targets = {t.name: t for t in started}
     left_out = frontend.unavailable() if frontend.NAME in names else None

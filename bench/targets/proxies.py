@@ -119,16 +119,18 @@ def router(ctx: Context, name: str, upstreams: Sequence[Target], *, cpus: str | 
 
 
 def floor(ctx: Context, name: str, upstreams: Sequence[Target], *, cpus: str | None = None,
-          count: Path | None = None) -> Target:
+          count: Path | None = None, asgi: bool = False) -> Target:
     """``bench.servers.floor`` in front of the first upstream: the least a Python proxy on the gateway's stack
     (uvloop, an asyncio protocol, httptools) spends per request and per relayed event, on the proxies' cores;
-    with ``count`` (a tokenizer's directory), each chat's prompt also counted by the gateway's own counter."""
+    with ``count`` (a tokenizer's directory), each chat's prompt also counted by the gateway's own counter; with
+    ``asgi``, the same proxy served through uvicorn's ASGI cycle (``bench.servers.floor_asgi``)."""
     port = free_port()
     counting = ("--count", str(count)) if count is not None else ()
-    argv = python("bench.servers.floor", "--port", str(port), *counting, upstreams[0].url)
+    module = "bench.servers.floor_asgi" if asgi else "bench.servers.floor"
+    argv = python(module, "--port", str(port), *counting, upstreams[0].url)
     server = Server(name, argv, port, ctx.log_path(name), cpus=cpus or ctx.cores.proxy)
     return Target(name, "floor", server, upstreams=list(upstreams[:1]), ready_paths=("/health",), ready_timeout=60,
-                  about={"counts": count is not None})
+                  about={"counts": count is not None, "asgi": asgi})
 
 
 def round_robin(ctx: Context, name: str, upstreams: Sequence[Target], *, cpus: str | None = None) -> Target:

@@ -1,10 +1,13 @@
 """The floor proxy hands back the engine's answers byte for byte (whole answers, streams, one request after
 another on a keep-alive connection, several at once), so that what it costs is a proxy's price for the same
-bytes the gateway and vllm-router move."""
+bytes the gateway and vllm-router move; served through uvicorn's ASGI cycle (``floor_asgi``), the same answers
+with the same bodies."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import pytest
 
 from bench.servers.fake_engine import Connection, Engine
 from bench.servers.floor import Client, Proxy, counter
+from bench.servers.floor_asgi import AsgiProxy, server
 from gateway.guard.counting.counter import PromptTokens
 from tests.bench.test_fake_engine import anonymous, exchange
 
@@ -24,21 +28,50 @@ def counted() -> list[bytes]:
     return []
 
 
-@pytest.fixture
-async def ports(counted: list[bytes]) -> AsyncIterator[tuple[int, int]]:
-    """The fake engine's port and the floor's in front of it (the bodies it counted in ``counted``)."""
+@pytest.fixture(params=["floor", "floor-asgi"])
+async def ports(request: pytest.FixtureRequest, counted: list[bytes]) -> AsyncIterator[tuple[int, int]]:
+    """The fake engine's port and a floor's in front of it: the protocol's (the bodies it counted in ``counted``),
+    or the one served through uvicorn's ASGI cycle."""
     loop = asyncio.get_running_loop()
     engine = await loop.create_server(lambda: Connection(Engine("tiny", 4096, 0.0)), "127.0.0.1", 0)
     engine_port = engine.sockets[0].getsockname()[1]
-    proxy = Proxy(f"http://127.0.0.1:{engine_port}", counted.append)
-    floor = await loop.create_server(lambda: Client(proxy), "127.0.0.1", 0)
+    upstream = f"http://127.0.0.1:{engine_port}"
     try:
-        yield engine_port, floor.sockets[0].getsockname()[1]
+        if request.param == "floor":
+            async with floor_protocol(upstream, counted) as port:
+                yield engine_port, port
+        else:
+            async with floor_asgi(upstream) as port:
+                yield engine_port, port
+    finally:
+        engine.close()
+        await asyncio.sleep(0)  # the closed transports' callbacks
+
+
+@contextlib.asynccontextmanager
+async def floor_protocol(upstream: str, counted: list[bytes]) -> AsyncIterator[int]:
+    proxy = Proxy(upstream, counted.append)
+    floor = await asyncio.get_running_loop().create_server(lambda: Client(proxy), "127.0.0.1", 0)
+    try:
+        yield floor.sockets[0].getsockname()[1]
     finally:
         floor.close()
         proxy.close()
-        engine.close()
-        await asyncio.sleep(0)  # the closed transports' callbacks
+
+
+@contextlib.asynccontextmanager
+async def floor_asgi(upstream: str) -> AsyncIterator[int]:
+    app = AsgiProxy(upstream)
+    sock = socket.create_server(("127.0.0.1", 0))
+    uvicorn_server = server(app)
+    serving = asyncio.create_task(uvicorn_server.serve(sockets=[sock]))
+    try:  # the socket listens already: a client's connection waits in its backlog until uvicorn accepts it
+        yield sock.getsockname()[1]
+    finally:
+        uvicorn_server.should_exit = True
+        await asyncio.wait_for(serving, 10)
+        app.close()
+        sock.close()
 
 
 @pytest.mark.parametrize("body", [CHAT, STREAM], ids=["whole answer", "stream"])
@@ -47,7 +80,8 @@ async def test_an_answer_comes_back_as_the_engine_wrote_it(ports: tuple[int, int
     direct = await exchange(engine, "POST", "/v1/chat/completions", body)
     through = await exchange(floor, "POST", "/v1/chat/completions", body)
     assert through[0].split(b"\r\n")[0] == b"HTTP/1.1 200 OK"
-    assert [anonymous(c) for c in through[1]] == [anonymous(c) for c in direct[1]]
+    # The same bytes; the ASGI floor sends an upstream read's events as one chunk, so only the whole is compared.
+    assert anonymous(b"".join(through[1])) == anonymous(b"".join(direct[1]))
 
 
 async def test_one_connection_carries_one_request_after_another(ports: tuple[int, int]) -> None:
@@ -68,9 +102,11 @@ async def test_one_connection_carries_one_request_after_another(ports: tuple[int
 async def test_requests_at_once_each_get_their_own_answer(ports: tuple[int, int]) -> None:
     _, floor = ports
     answers = await asyncio.gather(*(exchange(floor, "POST", "/v1/chat/completions", STREAM) for _ in range(8)))
-    assert all(a[1][-1] == b"data: [DONE]\n\n" for a in answers)
+    assert all(b"".join(a[1]).endswith(b"data: [DONE]\n\n") for a in answers)
+    assert len({anonymous(b"".join(a[1])) for a in answers}) == 1
 
 
+@pytest.mark.parametrize("ports", ["floor"], indirect=True)
 async def test_with_a_count_each_chat_is_counted_once_before_it_is_forwarded(ports: tuple[int, int],
                                                                             counted: list[bytes]) -> None:
     _, floor = ports
