@@ -110,6 +110,24 @@ class BufferSink:
         return data
 
 
+class ClosedSink:
+    """The sink of a closed exchange: its reader is done, and whatever its connection still reports is dropped."""
+
+    __slots__ = ()
+
+    def body(self, data: bytes) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def end(self, error: GatewayError | None) -> None:
+        return None
+
+
+CLOSED = ClosedSink()
+
+
 class Exchange:
     """One request and its answer on one connection. ``head`` resolves with the answer's status and headers;
     the body then flows into ``sink`` (a ``BufferSink`` until a reader attaches another)."""
@@ -166,6 +184,9 @@ class Exchange:
                 self.head.cancel()
             if self.conn is not None:
                 self.conn.close()
+        # The sink is let go: a stream's sink holds its upstream stream, which holds this exchange, a reference cycle
+        # every stream that only the cyclic collector freed (with the stream's reservation and its client's cycle).
+        self.sink = CLOSED
 
     def pause(self) -> None:
         if self.conn is not None:

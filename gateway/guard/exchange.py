@@ -351,6 +351,10 @@ class EngineStream:
         if self._over:
             return
         self._over = True
+        # Every write is behind: let the sink go. Its ``on_cut`` holds this stream's ``end``, so the pair held both
+        # ways made every stream a reference cycle (with its reservation, exchange and the connection's cycle) that
+        # only the cyclic collector freed: ~35 objects a stream, a young collection of ~10 ms under 256 streams.
+        self._out = None
         self.engine.progress.unwatch(self._watch)
         close(self.parts, self.engine, self.stream)
         self.reservation.release(completed=self.outcome == "ok")

@@ -106,8 +106,7 @@ class GuardProtocol(HttpToolsProtocol):
         self._phase = _IDLE
         self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._timer_at = 0.0
-        self._read_len = 0  # bytes of the read being parsed
+        self._timer_at, self._read_len = 0.0, 0  # _read_len: bytes of the read being parsed
         self._begin_read_len = 0  # bytes of the read in which the current request began
         self._head_raw = 0  # bytes of later reads that ended with the current request's head still incomplete
         self._messages = 0  # requests begun on this connection
@@ -196,6 +195,7 @@ class GuardProtocol(HttpToolsProtocol):
         self._stall.resumed()
         self._deadline = None
         super().connection_lost(exc)
+        self.transport.let_go()  # type: ignore[attr-defined]  # the LingeringTransport of connection_made
         lost, self._on_lost = self._on_lost, None
         if lost is not None:
             lost()

@@ -66,8 +66,18 @@ class LingeringTransport:
         if not self._linger():
             self._transport.close()
 
+    def let_go(self) -> None:
+        """The connection is lost: nothing lingers any more, and the protocol (whose method ``linger`` is, and which
+        holds this transport) is not held from here. The pair was a reference cycle every connection, with its
+        last request's cycle, that only the cyclic collector freed (~31 objects a closed connection)."""
+        self._linger = _no_linger
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+def _no_linger() -> bool:
+    return False
 
 
 def unread(transport: asyncio.Transport) -> bool:

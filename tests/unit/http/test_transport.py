@@ -94,3 +94,27 @@ async def test_a_lingering_close_still_sends_the_held_head_first() -> None:
     out.write(b"HEAD")
     out.close()
     assert inner.writes == [b"HEAD"] and inner.events == []
+
+
+def test_once_let_go_a_close_closes_and_the_protocol_is_held_no_more() -> None:
+    """The protocol holds its transport, and the transport the protocol's ``linger``: after the connection is lost
+    that pair would be a reference cycle, each closed connection's, that only the cyclic collector frees."""
+    import gc
+    import weakref
+
+    class Protocol:
+        def linger(self) -> bool:
+            return True
+
+    protocol = Protocol()
+    out, inner = wrap(protocol.linger)
+    gone = weakref.ref(protocol)
+    gc.disable()
+    try:
+        out.let_go()
+        del protocol
+        assert gone() is None
+    finally:
+        gc.enable()
+    out.close()
+    assert inner.events == ["close"]
